@@ -1,0 +1,117 @@
+"""Shared fixtures: tiny random HF checkpoints built from transformers config classes (no hub access)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+TINY = dict(
+    vocab_size=160,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
+
+# name -> (HF config class, HF model class, overrides)
+TINY_VARIANTS: dict[str, tuple[type, type, dict]] = {
+    "llama": (LlamaConfig, LlamaForCausalLM, {}),
+    "llama_llama3_rope": (
+        LlamaConfig,
+        LlamaForCausalLM,
+        {
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            }
+        },
+    ),
+    "llama_linear_rope": (
+        LlamaConfig,
+        LlamaForCausalLM,
+        {"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}},
+    ),
+    "llama_dynamic_rope": (
+        LlamaConfig,
+        LlamaForCausalLM,
+        {
+            "max_position_embeddings": 16,
+            "rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0},
+        },
+    ),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
+    "qwen2_tied": (Qwen2Config, Qwen2ForCausalLM, {"tie_word_embeddings": True}),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 24}),
+    "qwen3_tied": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 16, "tie_word_embeddings": True}),
+    "qwen3_yarn": (
+        Qwen3Config,
+        Qwen3ForCausalLM,
+        {
+            "head_dim": 16,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 1000000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        },
+    ),
+    "qwen3_sliding": (
+        Qwen3Config,
+        Qwen3ForCausalLM,
+        {"head_dim": 16, "use_sliding_window": True, "sliding_window": 5, "max_window_layers": 1},
+    ),
+}
+
+
+def build_tiny_hf(variant: str, dtype: torch.dtype = torch.float32, seed: int = 0) -> PreTrainedModel:
+    """A randomly initialized transformers model of ``variant`` with eager attention."""
+    config_cls, model_cls, overrides = TINY_VARIANTS[variant]
+    config = config_cls(**{**TINY, **overrides}, attn_implementation="eager")
+    torch.manual_seed(seed)
+    model = model_cls(config).to(dtype).eval()
+    with torch.no_grad():  # make norms non-trivial so a wrong norm wiring cannot hide
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """Factory: ``tiny_hf_dir(variant, dtype=torch.float32) -> Path`` of a saved tiny HF checkpoint (cached)."""
+    cache: dict[tuple[str, torch.dtype], Path] = {}
+
+    def make(variant: str, dtype: torch.dtype = torch.float32) -> Path:
+        key = (variant, dtype)
+        if key not in cache:
+            path = tmp_path_factory.mktemp(f"hf_{variant}_{str(dtype).split('.')[-1]}")
+            build_tiny_hf(variant, dtype).save_pretrained(path)
+            cache[key] = path
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture
+def hf_impl(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run the test with ``XTL_HF_IMPL=1``."""
+    monkeypatch.setenv("XTL_HF_IMPL", "1")

@@ -1,0 +1,3 @@
+"""xtl: a Lightning-based modular trainer for Hugging Face causal language models."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,56 @@
+"""Config base of the dense family: structural switches each model family sets."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from xtl.model.base import TransformerConfig
+
+
+@dataclass
+class DenseConfig(TransformerConfig):
+    """A dense decoder-only config. Families override the structural properties below, never the body."""
+
+    attention_bias: bool = False
+    mlp_bias: bool = False
+
+    @property
+    def qkv_bias(self) -> bool:
+        """Bias on the q/k/v projections."""
+        return self.attention_bias
+
+    @property
+    def o_bias(self) -> bool:
+        """Bias on the attention output projection."""
+        return self.attention_bias
+
+    @property
+    def qk_norm(self) -> bool:
+        """Per-head RMSNorm on queries and keys."""
+        return False
+
+    def layer_sliding_window(self, layer_idx: int) -> int | None:
+        """Sliding window of layer ``layer_idx`` (``None``: full attention)."""
+        return None
+
+    def build(self):  # noqa: ANN201 - returns xtl.model.dense.Dense
+        """Build the dense model."""
+        from xtl.model.dense.dense import Dense
+
+        return Dense(self)
+
+
+@dataclass
+class SlidingWindowMixin:
+    """Qwen-style per-layer attention types (``layer_types``) with an optional sliding window."""
+
+    use_sliding_window: bool = False
+    sliding_window: int | None = None
+    max_window_layers: int = 28
+    layer_types: list[str] | None = None
+
+    def layer_sliding_window(self, layer_idx: int) -> int | None:
+        """The window for layers typed ``sliding_attention``."""
+        if self.layer_types is not None and self.layer_types[layer_idx] == "sliding_attention":
+            return self.sliding_window
+        return None

@@ -1,0 +1,112 @@
+"""The dense decoder-only body shared by Llama, Qwen2 and Qwen3."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from xtl.model.base import BaseModel
+from xtl.model.output import ModelOutput
+from xtl.model.sequence import SequenceContext
+from xtl.module.attention import MultiHeadAttention
+from xtl.module.decoder_layer import DecoderLayer
+from xtl.module.mlp import GatedMLP
+from xtl.module.norm import RMSNorm
+from xtl.module.rope import RotaryEmbedding
+from xtl.ops.attention import AttentionMaskSpec
+from xtl.ops.cross_entropy import causal_lm_loss, shift_labels
+
+if TYPE_CHECKING:
+    from xtl.model.dense.config import DenseConfig
+
+
+class Dense(BaseModel):
+    """Embedding, ``num_hidden_layers`` decoder layers, final RMSNorm, LM head (tied or not).
+
+    Two call styles:
+
+    - HF-style ``model(input_ids=..., labels=..., inputs_embeds=..., attention_mask=...)`` on a ``(B, T)`` batch,
+      with unshifted labels as transformers takes them (used by parity tests and generation).
+    - Packed ``model(seq_ctx=..., labels=...)`` on a ``(1, T)`` pack with labels already shifted
+      (``labels[t]`` is the target of position ``t``), as the data pipeline produces them.
+    """
+
+    def __init__(self, config: DenseConfig) -> None:
+        super().__init__(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+        self.layers = nn.ModuleList([self.build_layer(i) for i in range(config.num_hidden_layers)])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rotary_emb = RotaryEmbedding(config.hf_config)
+
+    def build_layer(self, layer_idx: int) -> DecoderLayer:
+        """Build decoder layer ``layer_idx`` from the config's attention and MLP settings."""
+        cfg = self.config
+        attn = MultiHeadAttention(
+            hidden_size=cfg.hidden_size,
+            num_heads=cfg.num_attention_heads,
+            num_kv_heads=cfg.num_key_value_heads,
+            head_dim=cfg.resolved_head_dim,
+            bias=cfg.qkv_bias,
+            o_bias=cfg.o_bias,
+            qk_norm=cfg.qk_norm,
+            rms_norm_eps=cfg.rms_norm_eps,
+            attn_impl=cfg.attn_impl,
+            sliding_window=cfg.layer_sliding_window(layer_idx),
+            dropout=cfg.attention_dropout,
+        )
+        mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, bias=cfg.mlp_bias)
+        return DecoderLayer(attn, mlp, cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        seq_ctx: SequenceContext | None = None,
+        return_logits: bool = True,
+        return_hidden_states: bool = False,
+    ) -> ModelOutput:
+        """Run the model; see the class docstring for the two call styles.
+
+        Args:
+            input_ids: ``(B, T)`` token ids (HF-style).
+            labels: HF-style: unshifted ``(B, T)``; packed: shifted ``(1, T)``. ``-100`` where no loss.
+            inputs_embeds: ``(B, T, C)`` embeddings instead of ``input_ids``.
+            attention_mask: ``(B, T)`` padding mask (1 = token, 0 = padding), HF-style only.
+            position_ids: ``(B, T)`` positions, HF-style only (default ``0..T-1``).
+            seq_ctx: A packed batch; excludes the HF-style arguments.
+            return_logits: Keep logits in the output.
+            return_hidden_states: Keep the final (post-norm) hidden states in the output.
+        """
+        if seq_ctx is not None:
+            if input_ids is not None or inputs_embeds is not None or attention_mask is not None:
+                raise ValueError("pass either seq_ctx or input_ids/inputs_embeds/attention_mask, not both")
+            input_ids, inputs_embeds, position_ids = seq_ctx.input_ids, seq_ctx.inputs_embeds, seq_ctx.position_ids
+            mask = AttentionMaskSpec(cu_seq_lens=seq_ctx.cu_seq_lens, max_seq_len=seq_ctx.max_seq_len)
+            targets = labels
+        else:
+            mask = AttentionMaskSpec(padding_mask=attention_mask)
+            targets = shift_labels(labels) if labels is not None else None
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("exactly one of input_ids and inputs_embeds must be given")
+        hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        if position_ids is None:
+            position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        position_embeddings = self.rotary_emb(position_ids, hidden.dtype)
+        for layer in self.layers:
+            hidden = layer(hidden, position_embeddings, mask)
+        hidden = self.norm(hidden)
+        logits = self.lm_head(hidden)
+        out = ModelOutput(
+            logits=logits if return_logits else None, hidden_states=hidden if return_hidden_states else None
+        )
+        if targets is not None:
+            out.loss, out.loss_sum, out.num_tokens = causal_lm_loss(logits, targets)
+        return out

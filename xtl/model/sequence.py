@@ -1,0 +1,116 @@
+"""Packed-batch description shared by the data and model seams."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+import torch
+
+
+@dataclass
+class SequenceContext:
+    """A packed batch of shape ``(1, T)`` made of several documents laid end to end.
+
+    Attention never crosses a document boundary: document ``i`` spans ``cu_seq_lens[i]:cu_seq_lens[i+1]``.
+    ``position_ids`` restart at 0 at every document, so rotary embeddings see per-document positions.
+
+    Attributes:
+        input_ids: Token ids, shape ``(1, T)``; ``None`` when ``inputs_embeds`` is given instead.
+        cu_seq_lens: Cumulative document lengths, int32, shape ``(num_docs + 1,)``, starting at 0, ending at T.
+        max_seq_len: Length of the longest document.
+        position_ids: Per-document positions, shape ``(1, T)``.
+        inputs_embeds: Optional precomputed embeddings, shape ``(1, T, hidden)``.
+        num_padding: Tokens at the end of the pack that are padding (a masked pseudo-document).
+    """
+
+    input_ids: torch.Tensor | None
+    cu_seq_lens: torch.Tensor
+    max_seq_len: int
+    position_ids: torch.Tensor
+    inputs_embeds: torch.Tensor | None = None
+    num_padding: int = 0
+    extras: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_lengths(
+        cls,
+        input_ids: torch.Tensor,
+        lengths: Sequence[int],
+        num_padding: int = 0,
+    ) -> SequenceContext:
+        """Build a context from token ids ``(1, T)`` (or ``(T,)``) and the length of each document.
+
+        Args:
+            input_ids: Packed token ids.
+            lengths: Length of every document, in order; they must sum to T.
+            num_padding: How many of the final tokens are padding (already counted in ``lengths``).
+        """
+        if input_ids.dim() == 1:
+            input_ids = input_ids.unsqueeze(0)
+        if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+            raise ValueError(f"a packed batch has shape (1, T); got {tuple(input_ids.shape)}")
+        lengths = [int(n) for n in lengths]
+        if any(n <= 0 for n in lengths):
+            raise ValueError(f"document lengths must be positive; got {lengths}")
+        total = input_ids.shape[1]
+        if sum(lengths) != total:
+            raise ValueError(f"document lengths sum to {sum(lengths)} but the pack has {total} tokens")
+        device = input_ids.device
+        cu = torch.zeros(len(lengths) + 1, dtype=torch.int32, device=device)
+        cu[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int32, device=device), dim=0)
+        position_ids = torch.cat([torch.arange(n, device=device) for n in lengths]).unsqueeze(0)
+        return cls(
+            input_ids=input_ids,
+            cu_seq_lens=cu,
+            max_seq_len=max(lengths),
+            position_ids=position_ids,
+            num_padding=num_padding,
+        )
+
+    @classmethod
+    def from_input_ids(cls, input_ids: torch.Tensor) -> SequenceContext:
+        """A context of one document covering all of ``input_ids`` ``(1, T)``."""
+        if input_ids.dim() == 1:
+            input_ids = input_ids.unsqueeze(0)
+        return cls.from_lengths(input_ids, [input_ids.shape[1]])
+
+    @property
+    def seq_len(self) -> int:
+        """Total tokens in the pack (T)."""
+        return int(self.position_ids.shape[-1])
+
+    @property
+    def num_docs(self) -> int:
+        """Number of documents (including a trailing padding pseudo-document)."""
+        return int(self.cu_seq_lens.numel() - 1)
+
+    @property
+    def lengths(self) -> list[int]:
+        """Per-document lengths."""
+        return (self.cu_seq_lens[1:] - self.cu_seq_lens[:-1]).tolist()
+
+    def to(self, device: torch.device | str) -> SequenceContext:
+        """Move every tensor to ``device``."""
+
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device, non_blocking=True)
+
+        return replace(
+            self,
+            input_ids=move(self.input_ids),
+            cu_seq_lens=move(self.cu_seq_lens),
+            position_ids=move(self.position_ids),
+            inputs_embeds=move(self.inputs_embeds),
+        )
+
+    def document_ids(self) -> torch.Tensor:
+        """Document index of every token, shape ``(T,)``."""
+        lengths = self.cu_seq_lens[1:] - self.cu_seq_lens[:-1]
+        return torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths.long())
+
+    def block_causal_mask(self) -> torch.Tensor:
+        """Boolean ``(T, T)`` mask, True where query ``i`` may attend key ``j`` (same document, ``j <= i``)."""
+        doc = self.document_ids()
+        seq = torch.arange(doc.numel(), device=doc.device)
+        return (doc[:, None] == doc[None, :]) & (seq[None, :] <= seq[:, None])

@@ -1,0 +1,82 @@
+"""Multi-head attention with grouped key/value heads (MHA / GQA / MQA)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from xtl.module.norm import RMSNorm
+from xtl.ops.attention import AttentionMaskSpec, get_attn_impl_fn
+from xtl.ops.rope import apply_rotary_pos_emb
+
+
+class MultiHeadAttention(nn.Module):
+    """GQA attention with optional per-head q/k RMSNorm (Qwen3), qkv bias (Qwen2) and a sliding window.
+
+    Args:
+        hidden_size: Model width.
+        num_heads: Query heads.
+        num_kv_heads: Key/value heads (divides ``num_heads``).
+        head_dim: Width of one head.
+        bias: Bias on q/k/v projections.
+        o_bias: Bias on the output projection.
+        qk_norm: RMSNorm over each query/key head before rotary (Qwen3).
+        rms_norm_eps: Epsilon of the q/k norms.
+        attn_impl: ``auto``, ``eager``, ``sdpa`` or ``flash`` (resolved per call, so ``XTL_HF_IMPL`` applies live).
+        sliding_window: Window of this layer, or ``None`` for full attention.
+        dropout: Attention dropout in training.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        bias: bool = False,
+        o_bias: bool = False,
+        qk_norm: bool = False,
+        rms_norm_eps: float = 1e-6,
+        attn_impl: str = "auto",
+        sliding_window: int | None = None,
+        dropout: float = 0.0,
+    ) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scaling = head_dim**-0.5
+        self.attn_impl = attn_impl
+        self.sliding_window = sliding_window
+        self.dropout = dropout
+        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=o_bias)
+        self.q_norm = RMSNorm(head_dim, rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, rms_norm_eps) if qk_norm else None
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        mask: AttentionMaskSpec,
+    ) -> torch.Tensor:
+        """Attend ``hidden_states`` ``(B, T, C)`` under ``mask``; returns ``(B, T, C)``."""
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        q = self.q_proj(hidden_states).view(hidden_shape)
+        k = self.k_proj(hidden_states).view(hidden_shape)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        v = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        cos, sin = position_embeddings
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        attn = get_attn_impl_fn(self.attn_impl)
+        out = attn(
+            q, k, v, mask.with_window(self.sliding_window), self.scaling, self.dropout if self.training else 0.0
+        )
+        return self.o_proj(out.reshape(*input_shape, -1).contiguous())

@@ -1,0 +1,41 @@
+"""Pre-norm transformer decoder layer."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from xtl.module.norm import RMSNorm
+from xtl.ops.attention import AttentionMaskSpec
+
+
+class DecoderLayer(nn.Module):
+    """``x + attn(norm(x))`` then ``x + mlp(norm(x))``.
+
+    Args:
+        self_attn: Attention module called as ``self_attn(h, position_embeddings, mask)``.
+        mlp: Feed-forward module called as ``mlp(h)``.
+        hidden_size: Model width.
+        rms_norm_eps: Epsilon of both norms.
+    """
+
+    def __init__(self, self_attn: nn.Module, mlp: nn.Module, hidden_size: int, rms_norm_eps: float) -> None:
+        super().__init__()
+        self.self_attn = self_attn
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(hidden_size, rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(hidden_size, rms_norm_eps)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        mask: AttentionMaskSpec,
+    ) -> torch.Tensor:
+        """Run the layer on ``(B, T, C)`` hidden states."""
+        residual = hidden_states
+        hidden_states = self.self_attn(self.input_layernorm(hidden_states), position_embeddings, mask)
+        hidden_states = residual + hidden_states
+        residual = hidden_states
+        hidden_states = self.mlp(self.post_attention_layernorm(hidden_states))
+        return residual + hidden_states

@@ -1,0 +1,32 @@
+"""RMSNorm implementations behind one selector."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from xtl.utils import hf_impl_enabled
+
+RMSNormFn = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+
+
+def get_rms_norm_fn() -> RMSNormFn:
+    """Return the RMSNorm op: transformers' exact op order under ``XTL_HF_IMPL``, else the fused torch op."""
+    return rms_norm_hf if hf_impl_enabled() else rms_norm_fused
+
+
+def rms_norm_hf(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm with transformers' op order: fp32 statistics, cast back, then scale."""
+    input_dtype = x.dtype
+    hidden = x.to(torch.float32)
+    variance = hidden.pow(2).mean(-1, keepdim=True)
+    hidden = hidden * torch.rsqrt(variance + eps)
+    return weight * hidden.to(input_dtype)
+
+
+def rms_norm_fused(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm through ``torch.nn.functional.rms_norm`` in fp32 (one fused kernel where the build has it)."""
+    normed = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)
+    return weight * normed.to(x.dtype)

@@ -1,0 +1,77 @@
+"""Small process-wide helpers shared by every seam."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+_TRUE = {"1", "true", "yes", "on"}
+
+
+def hf_impl_enabled() -> bool:
+    """Whether op selectors must return the op that is bitwise equal to transformers' eager path.
+
+    Read live from the ``XTL_HF_IMPL`` environment variable so a test can toggle it per model instance.
+    """
+    return os.environ.get("XTL_HF_IMPL", "0").strip().lower() in _TRUE
+
+
+@contextmanager
+def hf_impl(enabled: bool = True) -> Iterator[None]:
+    """Temporarily set ``XTL_HF_IMPL`` (restores the previous value on exit)."""
+    previous = os.environ.get("XTL_HF_IMPL")
+    os.environ["XTL_HF_IMPL"] = "1" if enabled else "0"
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("XTL_HF_IMPL", None)
+        else:
+            os.environ["XTL_HF_IMPL"] = previous
+
+
+@contextmanager
+def atomic_directory(target: str | Path, overwrite: bool = True) -> Iterator[Path]:
+    """Yield a temporary directory beside ``target`` that is renamed to ``target`` only on success.
+
+    A crash inside the block leaves ``target`` untouched (the previous good version, or nothing).
+
+    Args:
+        target: Final directory path.
+        overwrite: Replace an existing ``target``; if False, an existing target raises ``FileExistsError``.
+    """
+    target = Path(target)
+    if target.exists() and not overwrite:
+        raise FileExistsError(f"{target} already exists; pass overwrite=True or choose another directory")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if target.exists():
+        trash = target.parent / f".{target.name}.old-{os.getpid()}"
+        os.replace(target, trash)
+        os.replace(tmp, target)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        os.replace(tmp, target)
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file and an atomic rename."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
