@@ -200,7 +200,7 @@ class BaseModel(nn.Module):
         loader = HFCheckpointLoader(hf_path)
         tensors = self.checkpoint_tensors()
         if any(t.is_meta for t in tensors.values()):
-            self.to_empty(device=device or "cpu")
+            self.materialize(device or "cpu")
             tensors = self.checkpoint_tensors()
         missing: list[str] = []
         mismatched: list[str] = []
@@ -230,6 +230,14 @@ class BaseModel(nn.Module):
         self._hf_path = Path(hf_path)
         return missing
 
+    def materialize(self, device: torch.device | str) -> None:
+        """Allocate (uninitialized) storage for a meta-built model on ``device`` and restore weight tying."""
+        self.to_empty(device=device)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Re-establish parameter sharing that ``to_empty`` breaks (no-op unless a family ties weights)."""
+
     def _ignorable_hf_key(self, key: str) -> bool:
         return key.endswith("rotary_emb.inv_freq") or (self.config.tie_word_embeddings and key == "lm_head.weight")
 
@@ -246,8 +254,11 @@ class BaseModel(nn.Module):
         Args:
             out_dir: Target directory (replaced if it exists).
             max_shard_size: Upper bound per shard, e.g. ``"5GB"``.
-            dtype: Cast floating-point tensors to this dtype (default: keep parameter dtypes).
+            dtype: Cast floating-point tensors to this dtype (default: the config's ``dtype`` -- the source
+                checkpoint's -- if set, else the parameter dtypes).
         """
+        if dtype is None and self.config.dtype is not None:
+            dtype = getattr(torch, self.config.dtype)
         is_writer = not dist.is_initialized() or dist.get_rank() == 0
         with atomic_directory(out_dir) if is_writer else nullcontext(None) as tmp:
             writer = ShardWriter(tmp, max_shard_size) if is_writer else None
@@ -288,7 +299,7 @@ class BaseModel(nn.Module):
         on ``meta`` is materialized on CPU first.
         """
         if any(t.is_meta for t in self.checkpoint_tensors().values()):
-            self.to_empty(device="cpu")
+            self.materialize("cpu")
         self._init_named(list(self.checkpoint_tensors()))
 
     @torch.no_grad()

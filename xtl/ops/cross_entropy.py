@@ -53,3 +53,95 @@ def cross_entropy_mean(logits: torch.Tensor, targets: torch.Tensor, ignore_index
     """Mean token cross-entropy in fp32, the exact op of transformers' ``ForCausalLMLoss``."""
     flat_logits = logits.float().reshape(-1, logits.shape[-1])
     return F.cross_entropy(flat_logits, targets.reshape(-1).to(flat_logits.device), ignore_index=ignore_index)
+
+
+def lm_head_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor | None,
+    return_logits: bool = True,
+    ignore_index: int = IGNORE_INDEX,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """LM head and causal-LM loss: ``(logits, loss, loss_sum, num_tokens)``.
+
+    When logits are not needed (training) and ``XTL_HF_IMPL`` is off, the head and the loss run fused and chunked
+    (:func:`linear_cross_entropy`): full fp32 logits are never materialized. Otherwise logits are computed and
+    the loss is :func:`causal_lm_loss`.
+
+    Args:
+        hidden: Final hidden states ``(..., C)``.
+        weight: LM head weight ``(V, C)``.
+        targets: Shifted targets ``(...)`` or ``None`` for no loss.
+        return_logits: Whether the caller needs the logits.
+        ignore_index: Target value that carries no loss.
+    """
+    if targets is None or return_logits or hf_impl_enabled():
+        logits = F.linear(hidden, weight)
+        if targets is None:
+            return logits, None, None, None
+        loss, loss_sum, num_tokens = causal_lm_loss(logits, targets, ignore_index)
+        return (logits if return_logits else None), loss, loss_sum, num_tokens
+    loss_sum, num_tokens = linear_cross_entropy(hidden, weight, targets, ignore_index=ignore_index)
+    return None, loss_sum / num_tokens.clamp(min=1), loss_sum, num_tokens
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    ignore_index: int = IGNORE_INDEX,
+    chunk_bytes: int = 64 * 2**20,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed cross-entropy of ``hidden @ weight.T`` against ``targets`` without materializing all logits.
+
+    Rows are processed in chunks whose fp32 logits take about ``chunk_bytes``; the gradients of the summed loss
+    with respect to ``hidden`` and ``weight`` are computed chunk by chunk during forward (weight gradient
+    accumulated in fp32) and scaled by the incoming gradient in backward. Per-token math equals the unfused path
+    (compute-dtype matmul, fp32 log-softmax, fp32 logit gradient cast to the compute dtype).
+
+    Returns:
+        ``(loss_sum, num_tokens)``; ``loss_sum`` is fp32.
+    """
+    rows = max(1, chunk_bytes // (weight.shape[0] * 4))
+    return _LinearCrossEntropy.apply(hidden, weight, targets, rows, ignore_index)
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, rows, ignore_index):  # noqa: ANN001, ANN205
+        flat_h = hidden.reshape(-1, hidden.shape[-1])
+        flat_t = targets.reshape(-1).to(hidden.device)
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_h = torch.empty_like(flat_h) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for start in range(0, flat_h.shape[0], rows):
+            h = flat_h[start : start + rows]
+            t = flat_t[start : start + rows]
+            valid = t != ignore_index
+            safe_t = torch.where(valid, t, 0)
+            logits = (h @ weight.t()).float()
+            lse = torch.logsumexp(logits, dim=-1)
+            picked = logits.gather(1, safe_t[:, None]).squeeze(1)
+            loss_sum += torch.where(valid, lse - picked, 0.0).sum()
+            if need_h or need_w:
+                grad_logits = logits.sub_(lse[:, None]).exp_()
+                grad_logits[torch.arange(t.numel(), device=t.device), safe_t] -= 1.0
+                grad_logits.mul_(valid[:, None])
+                grad_logits = grad_logits.to(hidden.dtype)
+                if need_h:
+                    grad_h[start : start + rows] = grad_logits @ weight
+                if need_w:
+                    grad_w.add_(grad_logits.t() @ h)
+        ctx.hidden_shape = hidden.shape
+        ctx.save_for_backward(
+            grad_h if need_h else torch.empty(0), grad_w.to(weight.dtype) if need_w else torch.empty(0)
+        )
+        return loss_sum, (flat_t != ignore_index).sum()
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_count):  # noqa: ANN001, ANN205
+        grad_h, grad_w = ctx.saved_tensors
+        out_h = (grad_h * grad_loss.to(grad_h.dtype)).view(ctx.hidden_shape) if ctx.needs_input_grad[0] else None
+        out_w = grad_w * grad_loss.to(grad_w.dtype) if ctx.needs_input_grad[1] else None
+        return out_h, out_w, None, None, None

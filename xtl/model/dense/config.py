@@ -49,6 +49,17 @@ class SlidingWindowMixin:
     max_window_layers: int = 28
     layer_types: list[str] | None = None
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.use_sliding_window:
+            self.sliding_window = None
+        if self.layer_types is None:
+            self.layer_types = [
+                "sliding_attention" if self.sliding_window is not None and i >= self.max_window_layers
+                else "full_attention"
+                for i in range(self.num_hidden_layers)
+            ]
+
     def layer_sliding_window(self, layer_idx: int) -> int | None:
         """The window for layers typed ``sliding_attention``."""
         if self.layer_types is not None and self.layer_types[layer_idx] == "sliding_attention":

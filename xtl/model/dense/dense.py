@@ -16,7 +16,7 @@ from xtl.module.mlp import GatedMLP
 from xtl.module.norm import RMSNorm
 from xtl.module.rope import RotaryEmbedding
 from xtl.ops.attention import AttentionMaskSpec
-from xtl.ops.cross_entropy import causal_lm_loss, shift_labels
+from xtl.ops.cross_entropy import lm_head_loss, shift_labels
 
 if TYPE_CHECKING:
     from xtl.model.dense.config import DenseConfig
@@ -39,9 +39,13 @@ class Dense(BaseModel):
         self.layers = nn.ModuleList([self.build_layer(i) for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+        self.tie_weights()
         self.rotary_emb = RotaryEmbedding(config.hf_config)
+
+    def tie_weights(self) -> None:
+        """Share the LM head with the input embedding when the config ties them."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
 
     def build_layer(self, layer_idx: int) -> DecoderLayer:
         """Build decoder layer ``layer_idx`` from the config's attention and MLP settings."""
@@ -103,10 +107,11 @@ class Dense(BaseModel):
         for layer in self.layers:
             hidden = layer(hidden, position_embeddings, mask)
         hidden = self.norm(hidden)
-        logits = self.lm_head(hidden)
-        out = ModelOutput(
-            logits=logits if return_logits else None, hidden_states=hidden if return_hidden_states else None
+        logits, loss, loss_sum, num_tokens = lm_head_loss(hidden, self.lm_head.weight, targets, return_logits)
+        return ModelOutput(
+            loss=loss,
+            loss_sum=loss_sum,
+            num_tokens=num_tokens,
+            logits=logits,
+            hidden_states=hidden if return_hidden_states else None,
         )
-        if targets is not None:
-            out.loss, out.loss_sum, out.num_tokens = causal_lm_loss(logits, targets)
-        return out

@@ -1,0 +1,173 @@
+"""HF checkpoint I/O: lazy loading, strict errors, save_hf round trip, atomic writes."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from xtl.model import CheckpointMismatchError, get_model_config_from_hf
+from xtl.model.hf import HFCheckpointLoader, ShardWriter, parse_size
+
+
+def _load(path, device_meta=True):
+    cfg = get_model_config_from_hf(path)
+    if device_meta:
+        with torch.device("meta"):
+            model = cfg.build()
+    else:
+        model = cfg.build()
+    model.from_hf(path)
+    return model.eval()
+
+
+def _all_tensors(path):
+    loader = HFCheckpointLoader(path)
+    return {k: loader.load(k) for k in loader.keys()}
+
+
+class TestSaveHFRoundTrip:
+    @pytest.mark.parametrize("variant", ["llama", "qwen2_tied", "qwen3", "qwen3_tied", "llama_llama3_rope"])
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+    def test_keys_bytes_config_and_transformers_load(self, tiny_hf_dir, tmp_path, variant, dtype):
+        src = tiny_hf_dir(variant, dtype)
+        model = _load(src)
+        out = tmp_path / "export"
+        model.save_hf(out)
+
+        before, after = _all_tensors(src), _all_tensors(out)
+        assert set(before) == set(after)
+        for key, tensor in before.items():
+            assert after[key].dtype == tensor.dtype
+            assert torch.equal(after[key].view(torch.uint8), tensor.view(torch.uint8)), key
+
+        expected = tmp_path / "transformers_config"
+        AutoConfig.from_pretrained(src).save_pretrained(expected)
+        assert json.loads((out / "config.json").read_text()) == json.loads((expected / "config.json").read_text())
+
+        reference = AutoModelForCausalLM.from_pretrained(src, attn_implementation="eager").eval()
+        reloaded = AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
+        ids = torch.randint(0, reference.config.vocab_size, (2, 12))
+        with torch.no_grad():
+            assert torch.equal(reference(input_ids=ids).logits, reloaded(input_ids=ids).logits)
+
+    def test_index_and_sharding(self, tiny_hf_dir, tmp_path):
+        model = _load(tiny_hf_dir("qwen3"))
+        out = tmp_path / "sharded"
+        model.save_hf(out, max_shard_size="40KB")
+        index = json.loads((out / "model.safetensors.index.json").read_text())
+        shards = sorted(set(index["weight_map"].values()))
+        assert len(shards) > 2
+        assert shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+        total = sum(t.numel() * t.element_size() for t in _all_tensors(out).values())
+        assert index["metadata"]["total_size"] == total
+        assert not [p for p in out.iterdir() if p.name.startswith(".")]
+        reloaded = _load(out)
+        ids = torch.randint(0, 100, (1, 9))
+        with torch.no_grad():
+            assert torch.equal(model(input_ids=ids).logits, reloaded(input_ids=ids).logits)
+
+    def test_side_files_are_copied(self, tiny_hf_dir, tmp_path):
+        src = tmp_path / "src"
+        shutil.copytree(tiny_hf_dir("qwen3"), src)
+        (src / "tokenizer_config.json").write_text('{"model_max_length": 128}')
+        model = _load(src)
+        model.save_hf(tmp_path / "out")
+        assert (tmp_path / "out" / "tokenizer_config.json").read_text() == '{"model_max_length": 128}'
+        assert (tmp_path / "out" / "generation_config.json").is_file()
+
+    def test_failed_save_leaves_previous_export_intact(self, tiny_hf_dir, tmp_path, monkeypatch):
+        model = _load(tiny_hf_dir("qwen3"))
+        out = tmp_path / "export"
+        model.save_hf(out)
+        snapshot = sorted(p.name for p in out.iterdir())
+
+        def boom(self, key, tensor):
+            raise RuntimeError("disk full")
+
+        monkeypatch.setattr(ShardWriter, "add", boom)
+        with pytest.raises(RuntimeError, match="disk full"):
+            model.save_hf(out)
+        assert sorted(p.name for p in out.iterdir()) == snapshot
+        assert [p.name for p in tmp_path.iterdir()] == ["export"]
+
+
+class TestFromHF:
+    def test_meta_build_equals_cpu_build(self, tiny_hf_dir):
+        path = tiny_hf_dir("qwen3_tied")
+        meta_model, cpu_model = _load(path, device_meta=True), _load(path, device_meta=False)
+        assert meta_model.lm_head.weight is meta_model.embed_tokens.weight
+        ids = torch.randint(0, 100, (2, 10))
+        with torch.no_grad():
+            assert torch.equal(meta_model(input_ids=ids).logits, cpu_model(input_ids=ids).logits)
+
+    def test_missing_key_is_named(self, tiny_hf_dir, tmp_path):
+        tensors = load_file(tiny_hf_dir("llama") / "model.safetensors")
+        tensors.pop("model.layers.1.mlp.up_proj.weight")
+        save_file(tensors, tmp_path / "model.safetensors")
+        shutil.copy(tiny_hf_dir("llama") / "config.json", tmp_path / "config.json")
+        model = get_model_config_from_hf(tmp_path).build()
+        with pytest.raises(CheckpointMismatchError, match=r"missing keys \(1\): model.layers.1.mlp.up_proj.weight"):
+            model.from_hf(tmp_path)
+        missing = model.from_hf(tmp_path, strict=False)
+        assert missing == ["model.layers.1.mlp.up_proj.weight"]
+
+    def test_wrong_shape_is_named_even_when_not_strict(self, tiny_hf_dir, tmp_path):
+        tensors = load_file(tiny_hf_dir("llama") / "model.safetensors")
+        tensors["model.layers.0.self_attn.q_proj.weight"] = torch.zeros(8, 64)
+        tensors["model.extra.weight"] = torch.zeros(1)
+        save_file(tensors, tmp_path / "model.safetensors")
+        shutil.copy(tiny_hf_dir("llama") / "config.json", tmp_path / "config.json")
+        model = get_model_config_from_hf(tmp_path).build()
+        with pytest.raises(CheckpointMismatchError) as err:
+            model.from_hf(tmp_path)
+        message = str(err.value)
+        assert "layers.0.self_attn.q_proj.weight" in message and "checkpoint (8, 64), model (64, 64)" in message
+        assert "unexpected keys (1): model.extra.weight" in message
+        with pytest.raises(CheckpointMismatchError, match="shape mismatches"):
+            model.from_hf(tmp_path, strict=False)
+
+
+class TestLoader:
+    def test_reads_only_requested_keys_lazily(self, tiny_hf_dir):
+        loader = HFCheckpointLoader(tiny_hf_dir("qwen3"))
+        assert loader._handles == {}, "constructing the loader must not open shards"
+        assert loader.shape("model.norm.weight") == (64,)
+        loader.load("model.norm.weight")
+        assert list(loader._handles) == ["model.safetensors"]
+
+    def test_missing_directory_and_files(self, tmp_path):
+        with pytest.raises(FileNotFoundError, match="does not exist"):
+            HFCheckpointLoader(tmp_path / "nope")
+        with pytest.raises(FileNotFoundError, match="neither model.safetensors.index.json nor model.safetensors"):
+            HFCheckpointLoader(tmp_path)
+
+    def test_missing_shard_is_named(self, tmp_path):
+        index = {"metadata": {}, "weight_map": {"a": "model-00001-of-00002.safetensors"}}
+        (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+        with pytest.raises(FileNotFoundError, match="shard model-00001-of-00002.safetensors"):
+            HFCheckpointLoader(tmp_path)
+
+    def test_unknown_key(self, tiny_hf_dir):
+        with pytest.raises(KeyError, match="not in the checkpoint"):
+            HFCheckpointLoader(tiny_hf_dir("qwen3")).load("model.nope")
+
+    @pytest.mark.parametrize(("text", "expected"), [("5GB", 5 * 10**9), ("2MiB", 2 * 2**20), ("1.5KB", 1500),
+                                                     (123, 123), ("77", 77)])
+    def test_parse_size(self, text, expected):
+        assert parse_size(text) == expected
+
+    def test_parse_size_rejects_garbage(self):
+        with pytest.raises(ValueError, match="cannot read size"):
+            parse_size("five gigs")
+
+
+def test_safetensors_metadata_marks_pytorch_format(tiny_hf_dir, tmp_path):
+    _load(tiny_hf_dir("qwen3")).save_hf(tmp_path / "o")
+    with safe_open(tmp_path / "o" / "model-00001-of-00001.safetensors", framework="pt") as f:
+        assert f.metadata() == {"format": "pt"}
