@@ -1,0 +1,251 @@
+"""Tests for ``xtl memory``: the reference Qwen3-8B case, published parameter counts, parallel layouts, --measure."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from xtl.tools import memory
+from xtl.tools._cli import ToolInputError
+from xtl.tools._memory_model import ModelDims
+from xtl.tools._model_table import MODEL_TABLE
+from xtl.tools.memory import TrainSetup, estimate_memory, parameter_counts
+
+GIB = 2**30
+L = 32768  # reference case: Qwen3-8B, 1 node, dp 8, FSDP, L=32768, recompute, flash attention, chunk loss 1024
+H, V, HEADS, KV, HD, LAYERS, CHUNK = 4096, 151936, 32, 8, 128, 36, 1024
+
+# Figures printed by the reference calculator (its "B" is 2**30 parameters, its tables are GiB).
+REF_PARAMS = {
+    "total": 7.628208160400391,
+    "embedding": 0.57958984375,
+    "attention": 1.4063873291015625,
+    "mlp": 5.0626373291015625,
+    "head": 0.5795936584472656,
+}
+REF_COLUMNS = ("params", "grads", "opt_states", "master_params", "master_grads", "acts")
+REF_PARTS = {
+    "embed": (1.159180, 1.159180, 0.579590, 0.289795, 0.289795, 0.000061),
+    "head": (1.159187, 1.159187, 0.579594, 0.289797, 0.289797, 0.625000),
+    "layer_attn": (0.078133, 0.078133, 0.039066, 0.019533, 0.019533, 1.751953),
+    "layer_mlp": (0.281258, 0.281258, 0.140629, 0.070314, 0.070314, 2.500000),
+    "all_attn": (0.0, 0.0, 1.406387, 0.703194, 0.703194, 0.0),
+    "all_mlp": (0.0, 0.0, 5.062637, 2.531319, 2.531319, 0.0),
+    "layer_input_ckpt": (0.0, 0.0, 0.0, 0.0, 0.0, 0.25),
+}
+REF_PHASES = {
+    "micro1_forward_end": 26.58784294128418,
+    "micro1_backward_end": 21.386390686035156,
+    "microN_forward_end": 30.401947021484375,
+}
+
+# Where xtl's model differs from the reference, per quantity, in bytes (or parameters) and why.
+QK_NORM_PARAMS = 2 * HD  # xtl counts q_norm/k_norm weights (256 per layer); the reference leaves them out
+DEVIATION_ACTS = {
+    # fp32 rstd of input/q/k norms kept by fused RMSNorm; fp32 (not bf16) log-sum-exp; the RoPE *input* q/k is not
+    # kept (RoPE's backward only needs cos/sin), the reference counts it.
+    "layer_attn": L * ((1 + HEADS + KV) * 4 + HEADS * (4 - 2) - (HEADS * HD + KV * HD) * 2),
+    # the post-attention norm output is kept by gate_proj/up_proj (h bf16) plus its fp32 rstd; the reference omits it.
+    "layer_mlp": L * (H * 2 + 4),
+    # chunked loss keeps chunk x vocab fp32 log-probs; the reference counts 2 x L x chunk (vocab missing), plus rstd.
+    "head": CHUNK * V * 4 - 2 * L * CHUNK * 2 + L * 4,
+    # token ids are int64 (8 bytes) for the embedding backward; the reference counts 2 bytes.
+    "embed": L * (8 - 2),
+}
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-30)
+
+
+@pytest.fixture(scope="module")
+def qwen3_8b() -> memory.MemoryEstimate:
+    return estimate_memory("qwen3-8b", TrainSetup(nodes=1, gpus_per_node=8, seq_len=L, chunk_loss=CHUNK))
+
+
+class TestQwen3_8BReference:
+    def test_parameter_counts(self, qwen3_8b: memory.MemoryEstimate) -> None:
+        p = qwen3_8b.params
+        assert p["attention"] == round(REF_PARAMS["attention"] * GIB) + LAYERS * QK_NORM_PARAMS
+        for key, ref in REF_PARAMS.items():
+            assert _rel(p[key], ref * GIB) < 5e-4, f"{key}: 3 significant digits"
+        assert p["total"] == 8_190_735_360, "published Qwen3-8B safetensors parameter count"
+
+    def test_every_component_matches_or_differs_for_the_stated_reason(self, qwen3_8b: memory.MemoryEstimate) -> None:
+        for row, values in REF_PARTS.items():
+            for col, ref in zip(REF_COLUMNS, values, strict=True):
+                mine = qwen3_8b.parts[row][col] / GIB
+                if col == "acts" and row in DEVIATION_ACTS:
+                    expected = ref + DEVIATION_ACTS[row] / GIB
+                    assert _rel(mine, expected) < 5e-4, f"{row}.{col}: reference {ref} + stated deviation"
+                    continue
+                if col in ("opt_states", "master_params", "master_grads") and row.endswith("attn"):
+                    ref = ref * (1 + QK_NORM_PARAMS / (REF_PARAMS["attention"] * GIB / LAYERS))
+                assert mine == pytest.approx(ref, rel=5e-4, abs=1e-6), f"{row}.{col}"
+
+    def test_phases_follow_the_reference_composition(self, qwen3_8b: memory.MemoryEstimate) -> None:
+        def phases(parts: dict[str, dict[str, float]], embed_acts_in_forward: bool) -> dict[str, float]:
+            static = sum(
+                parts[r]["master_params"] + parts[r]["opt_states"] for r in ("embed", "head", "all_attn", "all_mlp")
+            )
+            grads = sum(parts[r]["master_grads"] for r in ("embed", "head", "all_attn", "all_mlp"))
+            layer = sum(parts[r][c] for r in ("layer_attn", "layer_mlp") for c in ("params", "acts"))
+            fwd = layer + parts["head"]["params"] + parts["head"]["acts"] + parts["layer_input_ckpt"]["acts"] * 35
+            fwd += parts["embed"]["acts"] if embed_acts_in_forward else 0.0
+            bwd = static + grads + layer + parts["embed"]["params"] + parts["embed"]["acts"]
+            bwd += parts["layer_attn"]["grads"] + parts["layer_mlp"]["grads"]
+            return {
+                "micro1_forward_end": static + fwd,
+                "micro1_backward_end": bwd,
+                "microN_forward_end": static + grads + fwd,
+            }
+
+        ref_parts = {r: dict(zip(REF_COLUMNS, v, strict=True)) for r, v in REF_PARTS.items()}
+        for name, value in phases(ref_parts, embed_acts_in_forward=False).items():
+            assert value == pytest.approx(REF_PHASES[name], rel=1e-5), "composition transcribed from the reference"
+        # xtl also keeps the embedding's token ids until backward under recompute (the reference leaves it as a todo)
+        expected = phases(qwen3_8b.parts, embed_acts_in_forward=True)
+        for name, value in expected.items():
+            assert qwen3_8b.phases[name].bytes == pytest.approx(value, rel=1e-9)
+            shift = qwen3_8b.phases[name].bytes / GIB - REF_PHASES[name]
+            assert abs(shift) < 0.5, f"{name}: within 0.5 GiB of the reference ({shift:+.3f} GiB)"
+
+    def test_peaks_and_their_phases(self, qwen3_8b: memory.MemoryEstimate) -> None:
+        assert qwen3_8b.peak_mb1.name == "micro1_forward_end"
+        assert qwen3_8b.peak_mbn.name == "microN_forward_end"
+        assert qwen3_8b.peak_mbn.bytes / GIB == pytest.approx(30.80, abs=0.01)
+
+
+class TestPublishedParameterCounts:
+    def test_qwen3_30b_a3b_moe(self) -> None:
+        h, layers, heads, kv, hd, experts, top_k, inter, vocab = 2048, 48, 32, 4, 128, 128, 8, 768, 151936
+        attn = h + 2 * h * heads * hd + 2 * h * kv * hd + 2 * hd  # input norm, q/o, k/v, q/k norms
+        routed = experts * 3 * h * inter
+        mlp = h + experts * h + routed  # post norm, router, experts
+        total = vocab * h + layers * (attn + mlp) + h + vocab * h
+        activated = total - layers * routed * (experts - top_k) // experts
+        p = parameter_counts(ModelDims.from_hf("q", MODEL_TABLE["qwen3-30b-a3b"]))
+        assert (p["total"], p["activated"], p["experts"]) == (total, activated, layers * routed)
+        assert round(total / 1e9, 1) == 30.5 and 3.3e9 <= activated < 3.4e9  # model card: 30.5B / 3.3B
+
+    def test_deepseek_v3_mla_moe(self) -> None:
+        h, vocab, layers, dense, heads = 7168, 129280, 61, 3, 128
+        q_lora, kv_lora, nope, rope, v_dim, experts, top_k, inter = 1536, 512, 128, 64, 128, 256, 8, 2048
+        attn = h + (h * q_lora + q_lora + q_lora * heads * (nope + rope))  # norm, q_a, q_a_norm, q_b
+        attn += h * (kv_lora + rope) + kv_lora + kv_lora * heads * (nope + v_dim) + heads * v_dim * h  # kv_a, kv_b, o
+        dense_mlp = h + 3 * h * 18432
+        routed = experts * 3 * h * inter
+        moe_mlp = h + experts * h + experts + 3 * h * inter + routed  # norm, router + score bias, shared, routed
+        total = 2 * vocab * h + h + layers * attn + dense * dense_mlp + (layers - dense) * moe_mlp
+        activated = total - (layers - dense) * routed * (experts - top_k) // experts
+        p = parameter_counts(ModelDims.from_hf("d", MODEL_TABLE["deepseek-v3"]))
+        assert (p["total"], p["activated"]) == (total, activated)
+        assert round(total / 1e9) == 671 and 37e9 <= activated < 38e9  # paper: 671B total, 37B activated
+
+    @pytest.mark.parametrize(
+        ("alias", "total_b", "active_b"),
+        [("gpt-oss-20b", 20.91, 3.61), ("gpt-oss-120b", 116.83, 5.13), ("llama-3.1-8b", 8.03, None),
+         ("llama-3.1-70b", 70.55, None), ("qwen3-235b-a22b", 235.09, 22.19), ("qwen3-0.6b", 0.596, None)],
+    )  # fmt: skip
+    def test_model_cards(self, alias: str, total_b: float, active_b: float | None) -> None:
+        p = parameter_counts(ModelDims.from_hf(alias, MODEL_TABLE[alias]))
+        assert p["total"] / 1e9 == pytest.approx(total_b, abs=0.01)
+        if active_b is not None:  # OpenAI counts active parameters without the embedding
+            embedding = p["embedding"] if alias.startswith("gpt-oss") else 0
+            assert (p["activated"] - embedding) / 1e9 == pytest.approx(active_b, abs=0.01)
+
+
+class TestParallelLayouts:
+    def test_tensor_parallel_halves_layer_params(self) -> None:
+        one = estimate_memory("qwen3-8b", TrainSetup(tp=1))
+        two = estimate_memory("qwen3-8b", TrainSetup(tp=2))
+        assert two.parts["layer_mlp"]["params"] == pytest.approx(one.parts["layer_mlp"]["params"] / 2)
+        assert two.parts["layer_attn"]["acts"] == pytest.approx(one.parts["layer_attn"]["acts"] / 2)
+
+    def test_expert_parallel_shards_expert_states(self) -> None:
+        base = TrainSetup(nodes=2, seq_len=4096)
+        ep1 = estimate_memory("qwen3-30b-a3b", base)
+        ep8 = estimate_memory("qwen3-30b-a3b", TrainSetup(nodes=2, seq_len=4096, ep=8))
+        assert ep8.parts["layer_mlp"]["params"] < ep1.parts["layer_mlp"]["params"] / 7
+        # FSDP shards over edp = 16 / 8 = 2 with ep = 8: routed-expert states per GPU stay 128 / 16 experts' worth,
+        # the non-expert part of the MLP (post norm + router) is sharded 2-way instead of 16-way.
+        non_expert = 2048 + 128 * 2048
+        delta = ep8.parts["layer_mlp"]["master_params"] - ep1.parts["layer_mlp"]["master_params"]
+        assert delta == pytest.approx(non_expert * 4 * (1 / 2 - 1 / 16))
+
+    def test_zero1_pipeline_keeps_micro_batches_in_flight(self) -> None:
+        setup = dict(nodes=8, zero=1, pp=4, tp=2, seq_len=4096, recompute=False, chunk_loss=1024)
+        est = estimate_memory("qwen3-32b", TrainSetup(**setup))
+        many = est.phases["microN_forward_end"].items
+        per_micro_batch = 16 * (est.parts["layer_attn"]["acts"] + est.parts["layer_mlp"]["acts"])
+        per_micro_batch += est.parts["embed"]["acts"]  # first stage: 64 layers / pp 4, plus the embedding
+        assert "4 in-flight" in many[1][0] and many[1][1] == pytest.approx(4 * per_micro_batch)
+        interleaved = estimate_memory("qwen3-32b", TrainSetup(**setup, vpp=2))
+        assert "5.5 in-flight" in interleaved.phases["microN_forward_end"].items[1][0]  # p + (p-1)/vpp
+        assert est.peak_mbn.name.endswith("(stage 0)")
+
+    def test_recompute_flash_and_chunk_loss(self) -> None:
+        base = dict(seq_len=8192)
+        ref = estimate_memory("qwen3-8b", TrainSetup(**base, chunk_loss=1024))
+        no_rc = estimate_memory("qwen3-8b", TrainSetup(**base, chunk_loss=1024, recompute=False))
+        no_flash = estimate_memory("qwen3-8b", TrainSetup(**base, chunk_loss=1024, flash_attn=False))
+        no_chunk = estimate_memory("qwen3-8b", TrainSetup(**base))
+        assert no_rc.peak_mbn.bytes > ref.peak_mbn.bytes + 30 * ref.parts["layer_mlp"]["acts"]
+        extra = no_flash.parts["layer_attn"]["acts"] - ref.parts["layer_attn"]["acts"]
+        assert extra == pytest.approx(HEADS * 8192 * 8192 * 2 - 8192 * HEADS * 4)  # probabilities in, lse out
+        assert no_chunk.parts["head"]["acts"] - ref.parts["head"]["acts"] == pytest.approx((8192 - 1024) * V * 4)
+
+    def test_deepseek_first_layers_are_dense(self) -> None:
+        est = estimate_memory("deepseek-v3", TrainSetup(nodes=32, ep=64, seq_len=4096))
+        assert "first_layer_mlp" in est.parts
+        assert est.parts["first_layer_mlp"]["params"] != est.parts["layer_mlp"]["params"]
+
+    @pytest.mark.parametrize(
+        "kwargs", [{"pp": 2}, {"tp": 3}, {"ep": 2}, {"zero": 1, "pp": 5}, {"micro_batch_size": 0}]
+    )
+    def test_invalid_setups(self, kwargs: dict) -> None:
+        with pytest.raises(ToolInputError):
+            estimate_memory("qwen3-8b", TrainSetup(**kwargs))
+
+
+class TestMeasure:
+    def test_formula_agrees_with_autograd(self) -> None:
+        from xtl.tools._memory_measure import TOLERANCE, measure_activations
+
+        result = measure_activations(seq_len=256)
+        assert result.max_grad_diff < 1e-4, "fused-style ops compute the same gradients as transformers"
+        assert abs(result.ratio - 1) <= TOLERANCE == 0.03, result.render()
+        assert result.measured_bytes >= result.formula_bytes, "the formula leaves out only cos/sin and labels"
+        assert result.stock_hf_bytes > result.measured_bytes  # eager RMSNorm/SiLU keep extra copies
+        assert result.ok
+
+
+class TestMemoryCli:
+    def test_text_and_json(self, capsys: pytest.CaptureFixture) -> None:
+        assert memory.main(["qwen3-8b", "--seq-len", "32768", "--chunk-loss", "1024"]) == 0
+        text = capsys.readouterr().out
+        assert "micro1_forward_end" in text and "layer_attn" in text and "total 8.1907B" in text
+        assert memory.main(["qwen3-30b-a3b", "--ep", "8", "--format", "json"]) == 0
+        data = json.loads(capsys.readouterr().out)
+        assert data["params"]["total"] > 30e9 and data["peak_micro_batch_n"]["phase"] in data["phases"]
+
+    def test_config_path(self, tmp_path, capsys: pytest.CaptureFixture) -> None:
+        (tmp_path / "config.json").write_text(json.dumps(MODEL_TABLE["llama-3.1-8b"]))
+        assert memory.main([str(tmp_path), "--format", "json"]) == 0
+        assert json.loads(capsys.readouterr().out)["params"]["total"] == pytest.approx(8.03e9, rel=1e-3)
+
+    def test_exit_codes(self, tmp_path, capsys: pytest.CaptureFixture) -> None:
+        assert memory.main(["--help"]) == 0
+        assert "examples:" in capsys.readouterr().out
+        assert memory.main(["no-such-model"]) == 2
+        assert memory.main([]) == 2
+        assert memory.main(["qwen3-8b", "--zero", "2"]) == 2
+        (tmp_path / "config.json").write_text("{}")
+        assert memory.main([str(tmp_path)]) == 2
+        assert "lacks" in capsys.readouterr().err
+
+    def test_measure_flag(self, capsys: pytest.CaptureFixture) -> None:
+        assert memory.main(["--measure", "--seq-len", "128", "--format", "json"]) == 0
+        data = json.loads(capsys.readouterr().out)
+        assert data["ok"] and data["tolerance"] == 0.03 and data["config"]["seq_len"] == 128
