@@ -3,6 +3,8 @@
 from xtl.model.base import BaseModel, CheckpointMismatchError, TransformerConfig
 from xtl.model.dense import *  # noqa: F403
 from xtl.model.dense import __all__ as _dense_all
+from xtl.model.moe import *  # noqa: F403
+from xtl.model.moe import __all__ as _moe_all
 from xtl.model.output import ModelOutput
 from xtl.model.registry import (
     ALIASES,
@@ -31,4 +33,5 @@ __all__ = [
     "register_display_alias",
     "register_model_type",
     *_dense_all,
+    *_moe_all,
 ]

@@ -82,6 +82,22 @@ def _register_builtin() -> None:
         "qwen2.5-7b": dense.Qwen25_7BConfig,
     }.items():
         register_display_alias(name, cls)
+    _register_moe()
+
+
+def _register_moe() -> None:
+    from xtl.model import moe
+
+    for cls in (moe.Qwen3MoEConfig, moe.DeepSeekV3Config, moe.GptOssMoEConfig):
+        register_model_type(cls)
+    for name, cls in {
+        "qwen3-30b-a3b": moe.Qwen3MoE30BA3Config,
+        "qwen3-235b-a22b": moe.Qwen3MoE235BA22Config,
+        "deepseek-v3": moe.DeepSeekV3_671BConfig,
+        "gpt-oss-20b": moe.GptOss20BConfig,
+        "gpt-oss-120b": moe.GptOss120BConfig,
+    }.items():
+        register_display_alias(name, cls)
 
 
 def register_display_alias(name: str, config_cls: type[TransformerConfig]) -> None:

@@ -4,14 +4,11 @@ Forward and input gradient use one kernel (``out[rows_e] = a[rows_e] @ b[e]``, `
 gradient uses a second kernel that reduces over each expert's rows (``db[e] = a[rows_e].T @ g[rows_e]``), which
 writes zeros for experts without rows. Accumulation is in fp32; fp32 inputs use IEEE (no TF32) products.
 
-The kernels are jitted on first use and cached per value of ``TRITON_INTERPRET``, so a test can switch to the
-triton interpreter (CPU tensors) at run time.
+With ``TRITON_INTERPRET=1`` set before triton is imported, the kernels run in triton's interpreter on CPU
+tensors (how the tests check them without a GPU).
 """
 
 from __future__ import annotations
-
-import functools
-import os
 
 import torch
 import triton
@@ -54,7 +51,7 @@ def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torc
     block_m, block_n, block_k = _blocks(a)
     max_rows = int((offsets[1:] - offsets[:-1]).max())
     grid = (num_experts, triton.cdiv(max(max_rows, 1), block_m), triton.cdiv(n, block_n))
-    _kernels(_interpret())[0][grid](
+    _grouped_mm_kernel[grid](
         a, b, out, offsets, n, k,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), out.stride(0), out.stride(1),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=a.dtype == torch.float32,
@@ -68,7 +65,7 @@ def _grouped_wgrad(a: torch.Tensor, g: torch.Tensor, offsets: torch.Tensor, dtyp
     out = torch.empty(num_experts, k, n, dtype=dtype, device=a.device)
     block_m, block_n, block_k = _blocks(a)
     grid = (num_experts, triton.cdiv(k, block_k), triton.cdiv(n, block_n))
-    _kernels(_interpret())[1][grid](
+    _grouped_wgrad_kernel[grid](
         a, g, out, offsets, k, n,
         a.stride(0), a.stride(1), g.stride(0), g.stride(1), out.stride(0), out.stride(1), out.stride(2),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=a.dtype == torch.float32,
@@ -80,15 +77,7 @@ def _blocks(a: torch.Tensor) -> tuple[int, int, int]:
     return (64, 64, 32) if a.is_cuda else (16, 16, 16)
 
 
-def _interpret() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in {"1", "true", "yes", "on"}
-
-
-@functools.cache
-def _kernels(interpret: bool) -> tuple:  # noqa: ARG001 - the cache key: jit picks interpreter mode from the env
-    return triton.jit(_grouped_mm_kernel), triton.jit(_grouped_wgrad_kernel)
-
-
+@triton.jit
 def _grouped_mm_kernel(
     a_ptr, b_ptr, c_ptr, offs_ptr, N, K,
     stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
@@ -123,6 +112,7 @@ def _grouped_mm_kernel(
         tl.store(c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn, acc.to(c_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
 def _grouped_wgrad_kernel(
     a_ptr, g_ptr, out_ptr, offs_ptr, K, N,
     stride_am, stride_ak, stride_gm, stride_gn, stride_oe, stride_ok, stride_on,

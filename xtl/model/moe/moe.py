@@ -1,0 +1,227 @@
+"""The MoE decoder-only body shared by Qwen3-MoE, DeepSeek-V3 and GPT-OSS."""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from xtl.model.dense.dense import Dense
+from xtl.model.output import ModelOutput
+from xtl.model.sequence import SequenceContext
+from xtl.module.attention import MultiHeadAttention
+from xtl.module.decoder_layer import DecoderLayer
+from xtl.module.mlp import GatedMLP
+from xtl.module.moe_block import MoEBlock, MoEDecoderLayer
+from xtl.module.norm import RMSNorm
+from xtl.module.router import NoAuxTopKRouter
+from xtl.ops.attention import AttentionMaskSpec
+from xtl.ops.cross_entropy import lm_head_loss, shift_labels
+from xtl.ops.moe_loss import router_statistics
+
+if TYPE_CHECKING:
+    from xtl.model.moe.config import MoEConfig
+
+_EXPERT_KEY = re.compile(r"layers\.(\d+)\.mlp\.experts\.(gate_up|down)")
+
+
+class MoE(Dense):
+    """Dense's embedding / norm / head and call styles, with :class:`MoEBlock` feed-forwards.
+
+    ``forward`` returns, besides the loss and logits of :class:`Dense`, these ``extras`` (L = number of MoE
+    layers, in the order of :attr:`moe_layer_indices`; E = routed experts; counted tokens = all tokens except
+    padding, i.e. ``attention_mask == 0`` positions or the trailing ``seq_ctx.num_padding`` tokens):
+
+    - ``router_prob_sum`` ``(L, E)`` fp32, differentiable: per-expert router probability summed over counted tokens.
+    - ``router_z_sum`` ``(L,)`` fp32, differentiable: ``logsumexp(router_logits)**2`` summed over counted tokens.
+    - ``tokens_per_expert`` ``(L, E)`` int64: (token, slot) assignments per expert among counted tokens.
+    - ``router_num_tokens`` ``()`` int64: the number of counted tokens.
+
+    :func:`xtl.ops.moe_loss.balance_loss` and :func:`xtl.ops.moe_loss.z_loss` turn them into losses normalized by
+    a (global) token count. The cross-entropy ``loss`` does not include them.
+
+    The default checkpoint mapping stores each expert separately (``mlp.experts.{e}.{gate,up,down}_proj.weight``).
+    """
+
+    config: MoEConfig
+    attention_class: type[MultiHeadAttention] = MultiHeadAttention
+
+    def __init__(self, config: MoEConfig) -> None:
+        super().__init__(config)
+        if config.norm_class is not RMSNorm:
+            self.norm = config.norm_class(config.hidden_size, config.rms_norm_eps)
+
+    @property
+    def moe_layer_indices(self) -> list[int]:
+        """Decoder-layer indices of the MoE layers (row order of the ``(L, ...)`` extras)."""
+        return [i for i, layer in enumerate(self.layers) if isinstance(layer, MoEDecoderLayer)]
+
+    def build_layer(self, layer_idx: int) -> DecoderLayer:
+        """Decoder layer ``layer_idx``: attention plus an MoE block or a dense MLP."""
+        cfg = self.config
+        attn = self.build_attention(layer_idx)
+        if cfg.is_moe_layer(layer_idx):
+            shared = None
+            if cfg.shared_experts_intermediate_size:
+                shared = GatedMLP(cfg.hidden_size, cfg.shared_experts_intermediate_size, cfg.hidden_act)
+            block = MoEBlock(cfg.build_router(), cfg.build_experts(), shared)
+            layer: DecoderLayer = MoEDecoderLayer(attn, block, cfg.hidden_size, cfg.rms_norm_eps)
+        else:
+            mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, bias=cfg.mlp_bias)
+            layer = DecoderLayer(attn, mlp, cfg.hidden_size, cfg.rms_norm_eps)
+        if cfg.norm_class is not RMSNorm:
+            layer.input_layernorm = cfg.norm_class(cfg.hidden_size, cfg.rms_norm_eps)
+            layer.post_attention_layernorm = cfg.norm_class(cfg.hidden_size, cfg.rms_norm_eps)
+        return layer
+
+    def build_attention(self, layer_idx: int) -> nn.Module:
+        """The attention of layer ``layer_idx`` (grouped-query attention by default)."""
+        cfg = self.config
+        return self.attention_class(
+            hidden_size=cfg.hidden_size,
+            num_heads=cfg.num_attention_heads,
+            num_kv_heads=cfg.num_key_value_heads,
+            head_dim=cfg.resolved_head_dim,
+            bias=cfg.qkv_bias,
+            o_bias=cfg.o_bias,
+            qk_norm=cfg.qk_norm,
+            rms_norm_eps=cfg.rms_norm_eps,
+            attn_impl=cfg.attn_impl,
+            sliding_window=cfg.layer_sliding_window(layer_idx),
+            dropout=cfg.attention_dropout,
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        seq_ctx: SequenceContext | None = None,
+        return_logits: bool = True,
+        return_hidden_states: bool = False,
+    ) -> ModelOutput:
+        """Run the model; arguments as :meth:`Dense.forward`. See the class docstring for ``extras``."""
+        if seq_ctx is not None:
+            if input_ids is not None or inputs_embeds is not None or attention_mask is not None:
+                raise ValueError("pass either seq_ctx or input_ids/inputs_embeds/attention_mask, not both")
+            input_ids, inputs_embeds, position_ids = seq_ctx.input_ids, seq_ctx.inputs_embeds, seq_ctx.position_ids
+            mask = AttentionMaskSpec(cu_seq_lens=seq_ctx.cu_seq_lens, max_seq_len=seq_ctx.max_seq_len)
+            targets = labels
+        else:
+            mask = AttentionMaskSpec(padding_mask=attention_mask)
+            targets = shift_labels(labels) if labels is not None else None
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("exactly one of input_ids and inputs_embeds must be given")
+        hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        if position_ids is None:
+            position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        position_embeddings = self.rotary_emb(position_ids, hidden.dtype)
+        token_mask = _router_token_mask(hidden, attention_mask, seq_ctx)
+        stats = []
+        for layer in self.layers:
+            if isinstance(layer, MoEDecoderLayer):
+                hidden, routing = layer(hidden, position_embeddings, mask)
+                stats.append(router_statistics(routing.logits, routing.probs, routing.topk_ids, token_mask))
+            else:
+                hidden = layer(hidden, position_embeddings, mask)
+        hidden = self.norm(hidden)
+        logits, loss, loss_sum, num_tokens = lm_head_loss(hidden, self.lm_head.weight, targets, return_logits)
+        return ModelOutput(
+            loss=loss,
+            loss_sum=loss_sum,
+            num_tokens=num_tokens,
+            logits=logits,
+            hidden_states=hidden if return_hidden_states else None,
+            extras=self._extras(stats, hidden, token_mask),
+        )
+
+    @torch.no_grad()
+    def update_router_bias(self, tokens_per_expert: torch.Tensor, lr: float) -> None:
+        """Aux-loss-free balancing: update every correction-bias router from the step's expert loads.
+
+        Call once after each optimizer step. Routers without a correction bias are left alone.
+
+        Args:
+            tokens_per_expert: ``(L, E)`` loads accumulated over the step (``extras["tokens_per_expert"]`` summed
+                over micro-batches and all-reduced over data-parallel ranks).
+            lr: Bias update speed.
+        """
+        moe_layers = self.moe_layer_indices
+        if tokens_per_expert.shape[0] != len(moe_layers):
+            raise ValueError(
+                f"tokens_per_expert has {tokens_per_expert.shape[0]} rows for {len(moe_layers)} MoE layers"
+            )
+        for row, layer_idx in enumerate(moe_layers):
+            router = self.layers[layer_idx].mlp.gate
+            if isinstance(router, NoAuxTopKRouter):
+                router.update_bias(tokens_per_expert[row], lr)
+
+    # ---- HF key mapping: one HF tensor per expert and projection ------------------------------------------
+
+    def to_hf_key_list(self, key: str) -> list[str]:
+        """Fused expert parameters map to one HF key per expert (gate keys first, then up keys)."""
+        match = _EXPERT_KEY.fullmatch(key)
+        if match is None:
+            return super().to_hf_key_list(key)
+        prefix = f"model.layers.{match[1]}.mlp.experts"
+        experts = range(self.config.num_routed_experts)
+        if match[2] == "down":
+            return [f"{prefix}.{e}.down_proj.weight" for e in experts]
+        return [f"{prefix}.{e}.gate_proj.weight" for e in experts] + [f"{prefix}.{e}.up_proj.weight" for e in experts]
+
+    def hf_to_param(self, key: str, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """Stack per-expert HF tensors into the grouped parameter."""
+        match = _EXPERT_KEY.fullmatch(key)
+        if match is None:
+            return super().hf_to_param(key, tensors)
+        if match[2] == "down":
+            return torch.stack(tensors)
+        half = len(tensors) // 2
+        return torch.cat((torch.stack(tensors[:half]), torch.stack(tensors[half:])), dim=1)
+
+    def param_to_hf(self, key: str, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Split the grouped parameter into per-expert HF tensors (inverse of :meth:`hf_to_param`)."""
+        match = _EXPERT_KEY.fullmatch(key)
+        if match is None:
+            return super().param_to_hf(key, tensor)
+        if match[2] == "down":
+            return [t.clone() for t in tensor.unbind(0)]
+        gate, up = tensor.chunk(2, dim=1)
+        return [t.clone() for t in (*gate.unbind(0), *up.unbind(0))]
+
+    def _extras(self, stats: list, hidden: torch.Tensor, token_mask: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        num_tokens = hidden.shape[0] * hidden.shape[1] if token_mask is None else token_mask.sum()
+        num_tokens = torch.as_tensor(num_tokens, dtype=torch.int64, device=hidden.device)
+        if not stats:
+            experts = self.config.num_routed_experts
+            zeros = torch.zeros(0, experts, device=hidden.device)
+            return {
+                "router_prob_sum": zeros,
+                "router_z_sum": zeros.new_zeros(0),
+                "tokens_per_expert": zeros.long(),
+                "router_num_tokens": num_tokens,
+            }
+        prob_sums, z_sums, counts = zip(*stats)
+        return {
+            "router_prob_sum": torch.stack(prob_sums),
+            "router_z_sum": torch.stack(z_sums),
+            "tokens_per_expert": torch.stack(counts),
+            "router_num_tokens": num_tokens,
+        }
+
+
+def _router_token_mask(
+    hidden: torch.Tensor, attention_mask: torch.Tensor | None, seq_ctx: SequenceContext | None
+) -> torch.Tensor | None:
+    """``(B*T,)`` bool of the tokens that count for router statistics, or ``None`` when all count."""
+    if attention_mask is not None:
+        return attention_mask.reshape(-1).bool().to(hidden.device)
+    if seq_ctx is not None and seq_ctx.num_padding:
+        mask = torch.ones(hidden.shape[0] * hidden.shape[1], dtype=torch.bool, device=hidden.device)
+        mask[-seq_ctx.num_padding :] = False
+        return mask
+    return None

@@ -1,0 +1,125 @@
+"""Routed experts stored as grouped parameters with a leading expert dimension (expert parallelism shards dim 0).
+
+Layout of every family: ``gate_up`` ``(E, 2I, C)`` = the gate rows then the up rows of each expert (the layout of
+``nn.Linear`` weights), ``down`` ``(E, C, I)``. Checkpoints with another layout are converted by the model's
+``hf_to_param`` / ``param_to_hf`` hooks, never here.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.activations import ACT2FN
+
+from xtl.ops.grouped_gemm import get_grouped_gemm_fn
+from xtl.utils import hf_impl_enabled
+
+
+class GroupedExperts(nn.Module):
+    """E gated-MLP experts ``down(act(gate(x)) * up(x))`` run as two grouped GEMMs.
+
+    Args:
+        num_experts: Experts held by this module (all experts, or this rank's slice under expert parallelism).
+        hidden_size: Model width C.
+        intermediate_size: Expert width I.
+        hidden_act: Activation of the gate.
+        gemm_impl: Grouped GEMM implementation (see :func:`xtl.ops.get_grouped_gemm_fn`).
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        hidden_act: str = "silu",
+        gemm_impl: str = "auto",
+    ) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.intermediate_size = intermediate_size
+        self.gemm_impl = gemm_impl
+        self.act_fn = ACT2FN[hidden_act]
+        self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.down = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+    def forward(self, hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """Run rows ``(M, C)`` grouped by expert (``tokens_per_expert`` ``(E,)``); returns ``(M, C)``."""
+        gemm = get_grouped_gemm_fn(self.gemm_impl)
+        gate_up = gemm(hidden_states, self.gate_up.transpose(1, 2), tokens_per_expert)
+        return gemm(self.activation(gate_up), self.down.transpose(1, 2), tokens_per_expert)
+
+    def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``act(gate) * up`` of the concatenated ``(M, 2I)`` projection."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.act_fn(gate) * up
+
+
+class ClampedSwiGLUExperts(GroupedExperts):
+    """GPT-OSS experts: biased projections and a clamped SwiGLU ``(up + 1) * gate * sigmoid(alpha * gate)``.
+
+    ``gate`` is clamped above at ``limit``, ``up`` to ``[-limit, limit]``. Biases: ``gate_up_bias`` ``(E, 2I)``
+    (gate then up), ``down_bias`` ``(E, C)``.
+
+    Under ``XTL_HF_IMPL`` the weights are presented to the per-expert loop in transformers' own layout
+    (``(E, C, 2I)`` with gate/up interleaved, ``(E, I, C)``), as contiguous copies, so each matmul is the very
+    BLAS call transformers makes.
+
+    Args:
+        num_experts: Experts held by this module.
+        hidden_size: Model width.
+        intermediate_size: Expert width.
+        alpha: Sigmoid gain.
+        limit: Clamp bound.
+        gemm_impl: Grouped GEMM implementation.
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        alpha: float = 1.702,
+        limit: float = 7.0,
+        gemm_impl: str = "auto",
+    ) -> None:
+        super().__init__(num_experts, hidden_size, intermediate_size, "silu", gemm_impl)
+        self.alpha = alpha
+        self.limit = limit
+        self.gate_up_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size))
+        self.down_bias = nn.Parameter(torch.empty(num_experts, hidden_size))
+
+    def forward(self, hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """Run rows ``(M, C)`` grouped by expert; returns ``(M, C)``."""
+        gemm = get_grouped_gemm_fn(self.gemm_impl)
+        counts = tokens_per_expert.to(hidden_states.device)
+        interleaved = hf_impl_enabled()
+        if interleaved:
+            w1 = interleave_gate_up(self.gate_up, dim=1).transpose(1, 2).contiguous()
+            b1 = interleave_gate_up(self.gate_up_bias, dim=1)
+            w2 = self.down.transpose(1, 2).contiguous()
+        else:
+            w1, b1, w2 = self.gate_up.transpose(1, 2), self.gate_up_bias, self.down.transpose(1, 2)
+        gate_up = gemm(hidden_states, w1, counts) + torch.repeat_interleave(b1, counts, dim=0)
+        out = gemm(self.clamped_swiglu(gate_up, interleaved), w2, counts)
+        return out + torch.repeat_interleave(self.down_bias, counts, dim=0)
+
+    def clamped_swiglu(self, gate_up: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+        """The clamped SwiGLU of ``(M, 2I)`` gate/up columns (concatenated, or interleaved as transformers)."""
+        gate, up = (gate_up[..., ::2], gate_up[..., 1::2]) if interleaved else gate_up.chunk(2, dim=-1)
+        gate = gate.clamp(min=None, max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+
+def interleave_gate_up(tensor: torch.Tensor, dim: int) -> torch.Tensor:
+    """``[g0..gI-1, u0..uI-1]`` -> ``[g0, u0, g1, u1, ...]`` along ``dim``."""
+    gate, up = tensor.chunk(2, dim=dim)
+    return torch.stack((gate, up), dim=dim + 1).flatten(dim, dim + 1)
+
+
+def deinterleave_gate_up(tensor: torch.Tensor, dim: int) -> torch.Tensor:
+    """Inverse of :func:`interleave_gate_up`."""
+    index = [slice(None)] * tensor.dim()
+    gate_index, up_index = list(index), list(index)
+    gate_index[dim], up_index[dim] = slice(0, None, 2), slice(1, None, 2)
+    return torch.cat((tensor[tuple(gate_index)], tensor[tuple(up_index)]), dim=dim)

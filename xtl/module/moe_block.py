@@ -1,0 +1,67 @@
+"""The MoE feed-forward block and the decoder layer that carries it."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from xtl.module.decoder_layer import DecoderLayer
+from xtl.module.dispatcher import LocalDispatcher, MoEDispatcher
+from xtl.module.experts import GroupedExperts
+from xtl.module.router import Router, RouterOutput
+from xtl.ops.attention import AttentionMaskSpec
+
+
+class MoEBlock(nn.Module):
+    """Router -> dispatch -> grouped experts -> combine, plus optional always-on shared experts.
+
+    Args:
+        gate: The router (saved as ``gate``).
+        experts: The routed experts.
+        shared_experts: A dense MLP applied to every token and added to the routed output (DeepSeek).
+        dispatcher: Token dispatcher (default: :class:`LocalDispatcher`, all experts on this rank).
+    """
+
+    def __init__(
+        self,
+        gate: Router,
+        experts: GroupedExperts,
+        shared_experts: nn.Module | None = None,
+        dispatcher: MoEDispatcher | None = None,
+    ) -> None:
+        super().__init__()
+        self.gate = gate
+        self.experts = experts
+        self.shared_experts = shared_experts
+        self.dispatcher = dispatcher or LocalDispatcher(gate.num_experts)
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, RouterOutput]:
+        """Apply the block to ``(B, T, C)``; returns the output and the routing of the ``B*T`` tokens."""
+        shape = hidden_states.shape
+        routing = self.gate(hidden_states.view(-1, shape[-1]))
+        dispatched = self.dispatcher.dispatch(
+            hidden_states.view(-1, shape[-1]), routing.topk_ids, routing.topk_weights
+        )
+        expert_out = self.experts(dispatched.hidden_states, dispatched.tokens_per_expert)
+        out = self.dispatcher.combine(expert_out, dispatched).view(shape)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(hidden_states)
+        return out, routing
+
+
+class MoEDecoderLayer(DecoderLayer):
+    """A pre-norm decoder layer whose feed-forward is a :class:`MoEBlock`; also returns the routing."""
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        mask: AttentionMaskSpec,
+    ) -> tuple[torch.Tensor, RouterOutput]:
+        """Run the layer on ``(B, T, C)``; returns the new hidden states and the router output."""
+        residual = hidden_states
+        hidden_states = self.self_attn(self.input_layernorm(hidden_states), position_embeddings, mask)
+        hidden_states = residual + hidden_states
+        residual = hidden_states
+        hidden_states, routing = self.mlp(self.post_attention_layernorm(hidden_states))
+        return residual + hidden_states, routing
