@@ -115,3 +115,9 @@ def tiny_hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]
 def hf_impl(monkeypatch: pytest.MonkeyPatch) -> None:
     """Run the test with ``XTL_HF_IMPL=1``."""
     monkeypatch.setenv("XTL_HF_IMPL", "1")
+
+
+@pytest.fixture(scope="session")
+def data_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One tokenization cache shared by the training and CLI tests."""
+    return tmp_path_factory.mktemp("xtl_cache")

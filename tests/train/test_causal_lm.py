@@ -1,0 +1,160 @@
+"""CausalLM training behaviour: NaN steps are skipped, HF export matches, exact resume, MoE metrics."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from transformers import AutoModelForCausalLM
+
+from xtl.callbacks import HFExport
+from xtl.strategies import AtomicCheckpointIO
+from xtl.train import CausalLM, MoECausalLM
+from xtl.utils import hf_impl
+
+from .conftest import TINY_MODEL
+
+
+class LossRecorder(pl.Callback):
+    """Keeps ``train/loss`` of every step (as logged, bit for bit)."""
+
+    def __init__(self) -> None:
+        self.losses: dict[int, float] = {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.losses[trainer.global_step] = trainer.callback_metrics["train/loss"].item()
+
+
+class StopAt(pl.Callback):
+    """Stops fitting after ``step`` optimizer steps (an interrupted run with the full schedule)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step >= self.step:
+            trainer.should_stop = True
+
+
+class NaNAtStep(CausalLM):
+    """Injects NaN into the loss of one optimizer step."""
+
+    nan_batch = 2
+
+    def training_step(self, batch, batch_idx):
+        self._batch_idx = batch_idx
+        return super().training_step(batch, batch_idx)
+
+    def extra_loss(self, output, global_tokens):
+        if self._batch_idx == self.nan_batch:
+            return output.loss_sum * float("nan")  # a NaN loss: NaN gradients everywhere
+        return None
+
+
+class TestNaNSkip:
+    def test_nan_loss_skips_the_step_and_training_continues(self, make_datamodule, make_trainer):
+        snapshots = {}
+
+        class Snapshot(pl.Callback):
+            def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+                snapshots[batch_idx] = copy.deepcopy(pl_module.model.state_dict())
+
+        module = NaNAtStep(model=TINY_MODEL, lr=1e-2)
+        trainer = make_trainer(5, callbacks=[Snapshot()])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(module, datamodule=make_datamodule())
+        assert module.skipped_steps == 1
+        assert any("skipping the optimizer step" in str(w.message) for w in caught)
+        # batch 2 (the NaN step) left the weights untouched, batch 3 changed them again, and all stay finite
+        before_nan, after_nan = snapshots[2], snapshots[3]
+        assert all(torch.equal(before_nan[k], after_nan[k]) for k in before_nan)
+        final = module.model.state_dict()
+        assert all(torch.isfinite(v).all() for v in final.values())
+        assert any(not torch.equal(final[k], v) for k, v in after_nan.items())
+        # Lightning counts optimizer steps: the skipped batch does not advance global_step
+        assert trainer.global_step == 5
+        assert trainer.callback_metrics["train/skipped_steps"].item() == 1.0
+
+
+class TestHFExport:
+    def test_exported_dir_loads_in_transformers_with_equal_logits(self, make_datamodule, make_trainer, tmp_path):
+        export = HFExport(dirpath=str(tmp_path / "hf"), every_n_steps=2, at_end=True)
+        module = CausalLM(model=TINY_MODEL, lr=1e-2)
+        trainer = make_trainer(3, callbacks=[export])
+        trainer.fit(module, datamodule=make_datamodule())
+        assert [p.name for p in export.exported] == ["step_2", "final"]
+        final = tmp_path / "hf" / "final"
+        assert (final / "tokenizer.json").is_file() and (final / "config.json").is_file()
+        reference = AutoModelForCausalLM.from_pretrained(final, attn_implementation="eager").eval()
+        ids = torch.randint(0, 1600, (2, 20))
+        module.model.eval()
+        with hf_impl(), torch.no_grad():
+            assert torch.equal(reference(input_ids=ids).logits, module.model(input_ids=ids).logits)
+
+
+class TestExactResume:
+    def _fit(self, make_datamodule, tmp_path, max_steps, ckpt_path=None, every=None, stop_at=None):
+        recorder = LossRecorder()
+        callbacks = [recorder] + ([StopAt(stop_at)] if stop_at else [])
+        if every:
+            callbacks.append(
+                ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=every, save_last=True, save_top_k=-1)
+            )
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=1,
+            max_steps=max_steps,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+            enable_checkpointing=bool(every),
+            default_root_dir=tmp_path,
+            callbacks=callbacks,
+            plugins=[AtomicCheckpointIO()],
+        )
+        pl.seed_everything(0)
+        trainer.fit(
+            CausalLM(model=TINY_MODEL, lr=5e-3, warmup_steps=2, max_grad_norm=1.0),
+            datamodule=make_datamodule(),
+            ckpt_path=ckpt_path,
+        )
+        return recorder.losses
+
+    def test_five_plus_five_equals_ten_bitwise(self, make_datamodule, tmp_path):
+        uninterrupted = self._fit(make_datamodule, tmp_path / "a", 10)
+        first = self._fit(make_datamodule, tmp_path / "b", 10, every=5, stop_at=5)  # "killed" after step 5
+        resumed = self._fit(make_datamodule, tmp_path / "b", 10, ckpt_path=str(tmp_path / "b" / "ckpt" / "last.ckpt"))
+        assert [first[s] for s in range(1, 6)] == [uninterrupted[s] for s in range(1, 6)]
+        assert [resumed[s] for s in range(6, 11)] == [uninterrupted[s] for s in range(6, 11)]
+
+
+class TestMoECausalLM:
+    def test_router_losses_and_metrics_are_logged(self, make_datamodule, make_trainer):
+        model = {
+            **TINY_MODEL,
+            "model_type": "qwen3_moe",
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 16,
+        }
+        module = MoECausalLM(model=model, lr=1e-2, balance_loss_coef=0.01, z_loss_coef=0.001)
+        trainer = make_trainer(3)
+        trainer.fit(module, datamodule=make_datamodule())
+        metrics = trainer.callback_metrics
+        assert metrics["train/balance_loss"].item() > 0
+        assert metrics["train/z_loss"].item() > 0
+        assert metrics["train/maxvio"].item() >= 0
+
+    def test_unknown_model_type_is_a_clear_error(self):
+        with pytest.raises(ValueError, match="model.model_type 'mamba' is not supported"):
+            CausalLM(model={"model_type": "mamba"})
+
+    def test_unknown_field_is_named(self):
+        with pytest.raises(ValueError, match=r"unknown field\(s\) \['hiden_size'\]"):
+            CausalLM(model={"model_type": "qwen3", "hiden_size": 3})

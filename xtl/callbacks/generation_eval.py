@@ -1,0 +1,125 @@
+"""Generation-based evaluation: greedy answers to held-out prompts, scored by exact match or containment."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+
+from xtl.data.item import DataError
+from xtl.train.generation import greedy_generate
+from xtl.train.model_spec import resolve_path
+
+
+class GenerationEval(pl.Callback):
+    """Greedy-decode the prompts of a JSONL eval set and log the share of correct answers.
+
+    Each line holds ``messages`` (the last assistant turn, if present, is dropped from the prompt) and the expected
+    ``answer`` (default: that assistant turn's content). The prompt is rendered with the datamodule's tokenizer
+    chat template and a generation prompt; decoding stops at the tokenizer's EOS or the template's stop token, and a
+    leading thinking block (``... </think>``) is removed before scoring. Runs every ``every_n_steps``
+    optimizer steps during fit, and at the end of each validation epoch (so ``xtl validate`` runs it too).
+
+    Args:
+        path: JSONL file (``tiny:sft_eval.jsonl`` is the embedded tiny task's held-out set).
+        metric: ``exact_match`` (stripped strings equal) or ``contains`` (expected answer is a substring).
+        every_n_steps: Period during fit (0: only with validation).
+        max_samples: Evaluate the first ``max_samples`` lines.
+        max_new_tokens: Decoding budget per prompt.
+        name: Metric name suffix: logs ``eval/<name>``.
+    """
+
+    def __init__(
+        self,
+        path: str = "tiny:sft_eval.jsonl",
+        metric: Literal["exact_match", "contains"] = "exact_match",
+        every_n_steps: int = 0,
+        max_samples: int = 64,
+        max_new_tokens: int = 16,
+        name: str | None = None,
+    ) -> None:
+        if metric not in ("exact_match", "contains"):
+            raise ValueError(f"GenerationEval.metric must be exact_match or contains, got {metric!r}")
+        self.path = path
+        self.metric = metric
+        self.every_n_steps = every_n_steps
+        self.max_samples = max_samples
+        self.max_new_tokens = max_new_tokens
+        self.name = name or metric
+        self.history: list[tuple[int, float]] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        """Evaluate every ``every_n_steps`` steps."""
+        step = trainer.global_step
+        if self.every_n_steps and step % self.every_n_steps == 0:
+            self._evaluate_and_log(trainer, pl_module)
+
+    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Evaluate with every validation run (not during the sanity check)."""
+        if not trainer.sanity_checking:
+            self._evaluate_and_log(trainer, pl_module)
+
+    def evaluate(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> float:
+        """Score the eval set now; returns the share of correct answers."""
+        datamodule = trainer.datamodule
+        tokenizer = datamodule.load_tokenizer()
+        stop = {tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|eot_id|>") if t in tokenizer.vocab}
+        if tokenizer.eos_token_id is not None:
+            stop.add(tokenizer.eos_token_id)
+        was_training = pl_module.model.training
+        pl_module.model.eval()
+        correct = 0
+        samples = self._samples()
+        for messages, answer in samples:
+            prompt = tokenizer.apply_chat_template(
+                messages, tokenize=True, add_generation_prompt=True, return_dict=False
+            )
+            out = greedy_generate(pl_module.model, list(prompt), self.max_new_tokens, stop)
+            text = tokenizer.decode([t for t in out if t not in stop], skip_special_tokens=False)
+            text = text.split("</think>", 1)[-1].strip()  # score the answer, not a (possibly empty) thinking block
+            correct += int(text == answer.strip() if self.metric == "exact_match" else answer.strip() in text)
+        pl_module.model.train(was_training)
+        return correct / max(1, len(samples))
+
+    def _evaluate_and_log(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        with torch.no_grad():
+            score = self.evaluate(trainer, pl_module)
+        self.history.append((trainer.global_step, score))
+        for logger in trainer.loggers:
+            logger.log_metrics({f"eval/{self.name}": score}, step=trainer.global_step)
+
+    def _samples(self) -> list[tuple[list[dict], str]]:
+        path = _resolve(self.path)
+        if not path.is_file():
+            raise DataError(f"GenerationEval: {path} does not exist")
+        samples = []
+        with path.open(encoding="utf-8") as f:
+            for lineno, line in enumerate(f, start=1):
+                if len(samples) >= self.max_samples:
+                    break
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                    messages = list(row["messages"])
+                except (json.JSONDecodeError, KeyError, TypeError) as err:
+                    raise DataError(f"{path}:{lineno}: expected a JSON object with 'messages' ({err})") from err
+                answer = row.get("answer")
+                if messages and messages[-1].get("role") == "assistant":
+                    answer = answer if answer is not None else messages[-1].get("content", "")
+                    messages = messages[:-1]
+                if answer is None:
+                    raise DataError(f"{path}:{lineno}: no 'answer' and no final assistant turn to compare against")
+                samples.append((messages, str(answer)))
+        return samples
+
+
+def _resolve(path: str) -> Path:
+    from xtl.data import tiny_assets_dir
+
+    if path.startswith("tiny:"):
+        return tiny_assets_dir() / path[len("tiny:") :]
+    return Path(resolve_path(path))

@@ -1,0 +1,75 @@
+"""Export HF safetensors directories during and at the end of training."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+from xtl.model.hf.saver import copy_side_files
+from xtl.train.model_spec import resolve_path
+
+
+class HFExport(pl.Callback):
+    """Write ``save_hf`` directories every ``every_n_steps`` optimizer steps and when training ends.
+
+    Under FSDP every rank takes part (each parameter is gathered once, one at a time) and rank 0 writes, so the
+    full model never sits on every rank. The tokenizer of the datamodule is copied into each export so the
+    directory loads with ``AutoTokenizer`` and ``AutoModelForCausalLM``.
+
+    Args:
+        dirpath: Export root (default ``<trainer.default_root_dir>/hf``); exports go to ``step_<N>`` and ``final``.
+        every_n_steps: Export period in optimizer steps (0: only at the end).
+        at_end: Export when training ends.
+        max_shard_size: Shard size bound, e.g. ``"5GB"``.
+        dtype: Dtype of the exported tensors (default: the model config's dtype, else the parameters').
+    """
+
+    def __init__(
+        self,
+        dirpath: str | None = None,
+        every_n_steps: int = 0,
+        at_end: bool = True,
+        max_shard_size: str = "5GB",
+        dtype: str | None = None,
+    ) -> None:
+        self.dirpath = dirpath
+        self.every_n_steps = every_n_steps
+        self.at_end = at_end
+        self.max_shard_size = max_shard_size
+        self.dtype = dtype
+        self.exported: list[Path] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        """Export every ``every_n_steps`` steps."""
+        step = trainer.global_step
+        if self.every_n_steps and step > 0 and step % self.every_n_steps == 0:
+            self.export(trainer, pl_module, f"step_{step}")
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Export the final model."""
+        if self.at_end:
+            self.export(trainer, pl_module, "final")
+
+    def export(self, trainer: pl.Trainer, pl_module: pl.LightningModule, name: str) -> Path:
+        """Export now to ``<dirpath>/<name>`` and return the path."""
+        root = Path(self.dirpath) if self.dirpath else Path(trainer.default_root_dir) / "hf"
+        target = root / name
+        dtype = getattr(torch, self.dtype) if self.dtype else None
+        pl_module.model.save_hf(target, max_shard_size=self.max_shard_size, dtype=dtype)
+        tokenizer = getattr(getattr(trainer, "datamodule", None), "tokenizer_path", None)
+        if trainer.is_global_zero and tokenizer:
+            copy_side_files(_tokenizer_dir(tokenizer), target)
+        trainer.strategy.barrier()
+        self.exported.append(target)
+        return target
+
+
+def _tokenizer_dir(path: str) -> Path:
+    from xtl.data import tiny_assets_dir
+
+    if path.startswith("tiny:"):
+        return tiny_assets_dir() / path[len("tiny:") :]
+    return Path(resolve_path(path))

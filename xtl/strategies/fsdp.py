@@ -1,0 +1,120 @@
+"""FSDP2 data parallelism on Lightning's ModelParallelStrategy, with atomic distributed checkpoints."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch import nn
+
+DtypeName = Literal["float32", "bfloat16", "float16"]
+
+
+class FSDPStrategy(ModelParallelStrategy):
+    """Fully sharded data parallelism (FSDP2 ``fully_shard``) with explicit sizes and mixed precision.
+
+    The data-parallel mesh is ``data_parallel_replicate_size x data_parallel_shard_size`` (HSDP when the
+    replicate size is > 1); their product must equal the world size. Models are sharded per decoder layer, then
+    the root (``BaseModel.fully_shard``). Checkpoints are DCP directories written atomically (temporary name, then
+    rename), so a run killed mid-save resumes from the previous good checkpoint.
+
+    Args:
+        data_parallel_shard_size: Ranks a parameter is sharded over (``"auto"``: world size / replicate size).
+        data_parallel_replicate_size: Replicas of each shard group (HSDP).
+        param_dtype: Compute dtype of gathered parameters (``None``: the parameters' own dtype).
+        reduce_dtype: Dtype of gradient reduction.
+        reshard_after_forward: Free gathered parameters after forward (ZeRO-3) rather than keep them (ZeRO-2).
+        cpu_offload: Keep sharded parameters, gradients and optimizer states on CPU.
+        save_distributed_checkpoint: DCP directory checkpoints (else a full checkpoint file from rank 0).
+        process_group_backend: ``gloo``/``nccl`` (default from the device).
+        **kwargs: Other ``ModelParallelStrategy`` arguments (``timeout``, ...).
+    """
+
+    def __init__(
+        self,
+        data_parallel_shard_size: int | Literal["auto"] = "auto",
+        data_parallel_replicate_size: int = 1,
+        param_dtype: DtypeName | None = None,
+        reduce_dtype: DtypeName | None = "float32",
+        reshard_after_forward: bool = True,
+        cpu_offload: bool = False,
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(
+            data_parallel_size="auto",
+            tensor_parallel_size=1,
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            process_group_backend=process_group_backend,
+            **kwargs,
+        )
+        self.data_parallel_shard_size = data_parallel_shard_size
+        self.data_parallel_replicate_size = data_parallel_replicate_size
+        self.param_dtype = param_dtype
+        self.reduce_dtype = reduce_dtype
+        self.reshard_after_forward = reshard_after_forward
+        self.cpu_offload = cpu_offload
+        self.dp_mesh: Any = None
+
+    def setup_environment(self) -> None:
+        """Set explicit sizes (Lightning's defaults are per node), then build the meshes."""
+        self._data_parallel_size = self.num_nodes * self.num_processes
+        self._tensor_parallel_size = 1
+        super().setup_environment()
+        world = self.world_size
+        replicate = self.data_parallel_replicate_size
+        shard = world // replicate if self.data_parallel_shard_size == "auto" else int(self.data_parallel_shard_size)
+        if replicate * shard != world:
+            raise ValueError(
+                f"data_parallel_replicate_size ({replicate}) x data_parallel_shard_size ({shard}) must equal the "
+                f"world size ({world})"
+            )
+        if replicate == 1:
+            self.dp_mesh = self.device_mesh["data_parallel"]
+        else:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            self.dp_mesh = init_device_mesh(
+                self.root_device.type, (replicate, shard), mesh_dim_names=("dp_replicate", "dp_shard")
+            )
+
+    def shard_model(self, model: nn.Module) -> nn.Module:
+        """Apply FSDP2 to an xtl model (called by ``LanguageModule.configure_model`` before materialization)."""
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+
+        mp_policy = MixedPrecisionPolicy(
+            param_dtype=getattr(torch, self.param_dtype) if self.param_dtype else None,
+            reduce_dtype=getattr(torch, self.reduce_dtype) if self.reduce_dtype else None,
+        )
+        offload = CPUOffloadPolicy() if self.cpu_offload else None
+        return model.fully_shard(self.dp_mesh, mp_policy, self.reshard_after_forward, offload)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any = None) -> None:
+        """Write to a temporary sibling, then replace ``filepath`` atomically (rank 0 renames)."""
+        path = Path(self.broadcast(str(filepath)))
+        tmp = path.with_name(f".{path.name}.tmp")
+        if self.global_rank == 0 and tmp.exists():
+            shutil.rmtree(tmp) if tmp.is_dir() else tmp.unlink()
+        self.barrier()
+        super().save_checkpoint(checkpoint, tmp, storage_options)
+        self.barrier()
+        if self.global_rank == 0:
+            _replace(tmp, path)
+        self.barrier()
+
+
+def _replace(src: Path, dst: Path) -> None:
+    if dst.exists():
+        old = dst.with_name(f".{dst.name}.old")
+        if old.exists():
+            shutil.rmtree(old) if old.is_dir() else old.unlink()
+        os.replace(dst, old)
+        os.replace(src, dst)
+        shutil.rmtree(old) if old.is_dir() else old.unlink()
+    else:
+        os.replace(src, dst)

@@ -1,0 +1,283 @@
+"""The LightningModule base shared by every model family: one ``training_step`` = one optimizer step."""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+import torchmetrics
+from torch import nn
+
+from xtl.model import BaseModel, ModelOutput
+from xtl.train.model_spec import resolve_model_config
+from xtl.train.optim import Schedule, build_adamw, lr_lambda, param_groups
+from xtl.train.step import StepResult, forward_backward, grad_norm_and_clip
+
+
+class LanguageModule(pl.LightningModule):
+    """Trains an xtl model on step batches (``list[MicroBatch]``) from :class:`xtl.data.XTLDataModule`.
+
+    Manual optimization: each ``training_step`` runs forward/backward on every micro-batch with the loss scaled by
+    the global supervised-token count (all-reduced over data-parallel ranks), clips the gradient norm (DTensor
+    aware), and steps AdamW and the scheduler. A non-finite gradient norm skips the step (counted, logged,
+    warned) and leaves the weights untouched.
+
+    ``configure_model`` builds the model on ``meta``, applies model transforms contributed by callbacks (any
+    callback with a ``transform_model(model, module) -> model`` method, in callback order), shards it through the
+    strategy when it has a ``shard_model`` method (xtl's ``FSDPStrategy``), then loads ``model`` weights from an HF
+    directory or initializes them from ``seed``.
+
+    Args:
+        model: HF model directory (config + weights), ``env:VAR``, registered alias, or
+            ``{"model_type": ..., <config fields>}`` for a from-scratch model.
+        model_overrides: Config fields to replace (e.g. ``{"attn_impl": "sdpa"}``).
+        load_weights: Load weights when ``model`` is an HF directory (else initialize).
+        lr: Peak learning rate.
+        weight_decay: AdamW weight decay.
+        betas: AdamW betas.
+        eps: AdamW epsilon.
+        no_decay_norm_bias_embed: No weight decay on norms, biases and embeddings.
+        lr_schedule: ``cosine``, ``linear`` or ``constant`` after warmup.
+        warmup_steps: Linear warmup steps.
+        min_lr_ratio: Final learning rate as a fraction of ``lr`` (cosine/linear).
+        lr_decay_steps: Length of the schedule (default: ``trainer.max_steps``); set it to keep the schedule fixed
+            while training in several shorter runs.
+        max_grad_norm: Clip the global gradient norm to this (``None``: no clipping, norm still logged).
+        seed: Seed of weight initialization.
+        param_dtype: Dtype of the parameters without FSDP mixed precision (``float32`` or ``bfloat16``).
+    """
+
+    def __init__(
+        self,
+        model: str | dict[str, Any],
+        model_overrides: dict[str, Any] | None = None,
+        load_weights: bool = True,
+        lr: float = 1e-4,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        no_decay_norm_bias_embed: bool = True,
+        lr_schedule: Schedule = "cosine",
+        warmup_steps: int = 0,
+        min_lr_ratio: float = 0.1,
+        lr_decay_steps: int | None = None,
+        max_grad_norm: float | None = 1.0,
+        seed: int = 0,
+        param_dtype: Literal["float32", "bfloat16"] = "float32",
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.automatic_optimization = False
+        self.model_config, self.hf_dir = resolve_model_config(model, model_overrides)
+        if not load_weights:
+            self.hf_dir = None
+        self.model: BaseModel | None = None
+        self.skipped_steps = 0
+        self.tokens_seen = 0
+        self._val_metrics = nn.ModuleDict()
+
+    # ---- model -----------------------------------------------------------------------------------------------
+
+    def configure_model(self) -> None:
+        """Build on meta, apply callback transforms, shard, then load or initialize (idempotent)."""
+        if self.model is not None:
+            return
+        with torch.device("meta"):
+            model = self.model_config.build()
+        for callback in self._trainer_callbacks():
+            transform = getattr(callback, "transform_model", None)
+            if transform is not None:
+                model = transform(model, self)
+        strategy = self._trainer.strategy if self._trainer is not None else None
+        if hasattr(strategy, "shard_model"):
+            model = strategy.shard_model(model)
+        device = strategy.root_device if strategy is not None else torch.device("cpu")
+        if self.hf_dir is not None:
+            model.from_hf(self.hf_dir, device=device)
+        else:
+            model.materialize(device)
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(self.hparams.seed)
+                model.init_weights()
+        dtype = getattr(torch, self.hparams.param_dtype)
+        if not hasattr(strategy, "shard_model") and dtype != torch.float32:
+            model = model.to(dtype)
+        self.model = model
+
+    def setup(self, stage: str) -> None:
+        """Check that the datamodule's tokenizer fits the model's vocabulary (a clear error instead of an index
+        error deep inside the embedding)."""
+        datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+        load = getattr(datamodule, "load_tokenizer", None)
+        if load is not None:
+            size = len(load())
+            if size > self.model_config.vocab_size:
+                raise ValueError(
+                    f"the tokenizer {datamodule.tokenizer_path!r} has {size} tokens but the model's vocab_size is "
+                    f"{self.model_config.vocab_size}; set model vocab_size >= {size} (or use a matching tokenizer)"
+                )
+
+    def forward(self, *args: Any, **kwargs: Any) -> ModelOutput:
+        """Call the underlying xtl model."""
+        return self.model(*args, **kwargs)
+
+    # ---- optimization ----------------------------------------------------------------------------------------
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        """AdamW with parameter groups and a per-step warmup + decay schedule."""
+        hp = self.hparams
+        groups = param_groups(self.model, hp.weight_decay, hp.no_decay_norm_bias_embed)
+        optimizer = build_adamw(groups, hp.lr, tuple(hp.betas), hp.eps, self.device)
+        total = self._total_steps()
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lr_lambda(hp.lr_schedule, hp.warmup_steps, total, hp.min_lr_ratio)
+        )
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def training_step(self, batch: list[Any], batch_idx: int) -> torch.Tensor:
+        """One optimizer step over this rank's micro-batches."""
+        optimizer = self.optimizers()
+        scheduler = self.lr_schedulers()
+        start = time.perf_counter()
+        result = forward_backward(
+            forward=lambda mb: self.model(seq_ctx=mb.seq_ctx, labels=mb.labels, return_logits=False),
+            micro_batches=batch,
+            num_tokens=lambda mb: mb.num_tokens,
+            dp_world_size=self._dp_world_size(),
+            backward=self.manual_backward,
+            device=self.device,
+            extra_loss=self.extra_loss,
+            gradient_sync=self._gradient_sync,
+        )
+        grad_norm = grad_norm_and_clip(list(self.model.parameters()), self.hparams.max_grad_norm)
+        if torch.isfinite(grad_norm):
+            optimizer.step()
+            scheduler.step()
+            self.after_optimizer_step(result)
+        else:
+            self.skipped_steps += 1
+            warnings.warn(
+                f"step {self.global_step}: gradient norm is {grad_norm.item()}, skipping the optimizer step "
+                f"({self.skipped_steps} skipped so far)",
+                stacklevel=1,
+            )
+        optimizer.zero_grad(set_to_none=True)
+        self._log_step(batch, result, grad_norm, time.perf_counter() - start)
+        return result.loss_sum / result.global_tokens.clamp(min=1)
+
+    def extra_loss(self, output: ModelOutput, global_tokens: torch.Tensor) -> torch.Tensor | None:
+        """Family-specific objective added to a micro-batch's loss (none for dense models)."""
+        return None
+
+    def after_optimizer_step(self, result: StepResult) -> None:
+        """Hook after a successful optimizer step (e.g. MoE router bias updates)."""
+
+    # ---- validation ------------------------------------------------------------------------------------------
+
+    def validation_step(self, batch: list[Any], batch_idx: int, dataloader_idx: int = 0) -> None:
+        """Accumulate loss, token count and token accuracy of one eval set (torchmetrics, synced across ranks)."""
+        metrics = self._metrics_for(dataloader_idx)
+        for mb in batch:
+            out = self.model(seq_ctx=mb.seq_ctx, labels=mb.labels, return_logits=True)
+            mask = mb.labels != -100
+            correct = ((out.logits.argmax(-1) == mb.labels) & mask).sum()
+            metrics["loss_sum"].update(out.loss_sum.detach().float())
+            metrics["tokens"].update(out.num_tokens.float())
+            metrics["correct"].update(correct.float())
+        if not batch:  # keep collective calls aligned when a rank has no eval packs left
+            for metric in metrics.values():
+                metric.update(torch.zeros((), device=self.device))
+
+    def on_validation_epoch_end(self) -> None:
+        """Log ``val/loss``, ``val/perplexity`` and ``val/token_accuracy`` for each named eval set."""
+        for key, metrics in self._val_metrics.items():
+            loss_sum, tokens, correct = (metrics[k].compute() for k in ("loss_sum", "tokens", "correct"))
+            loss = loss_sum / tokens.clamp(min=1)
+            prefix = "val" if key == "0" and len(self._val_metrics) == 1 else f"val/{self._set_name(int(key))}"
+            self.log(f"{prefix}/loss", loss, sync_dist=False, prog_bar=prefix == "val")
+            self.log(f"{prefix}/perplexity", torch.exp(loss.clamp(max=50)), sync_dist=False)
+            self.log(f"{prefix}/token_accuracy", correct / tokens.clamp(min=1), sync_dist=False)
+            for metric in metrics.values():
+                metric.reset()
+
+    # ---- checkpoint ------------------------------------------------------------------------------------------
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Store counters that must survive a resume."""
+        checkpoint["xtl"] = {"skipped_steps": self.skipped_steps, "tokens_seen": self.tokens_seen}
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Restore the counters stored by :meth:`on_save_checkpoint`."""
+        state = checkpoint.get("xtl", {})
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+        self.tokens_seen = int(state.get("tokens_seen", 0))
+
+    # ---- private ---------------------------------------------------------------------------------------------
+
+    def _trainer_callbacks(self) -> list[pl.Callback]:
+        return list(self._trainer.callbacks) if self._trainer is not None else []
+
+    def _dp_world_size(self) -> int:
+        strategy = self.trainer.strategy
+        kwargs = getattr(strategy, "distributed_sampler_kwargs", None) or {}
+        return int(kwargs.get("num_replicas", self.trainer.world_size))
+
+    def _gradient_sync(self, enabled: bool) -> None:
+        setter = getattr(self.model, "set_requires_gradient_sync", None)
+        if setter is not None:
+            setter(enabled)
+
+    def _total_steps(self) -> int:
+        if self.hparams.lr_decay_steps:
+            return int(self.hparams.lr_decay_steps)
+        trainer = self._trainer
+        if trainer is None:
+            return 1
+        if trainer.max_steps and trainer.max_steps > 0:
+            return trainer.max_steps
+        try:
+            return max(1, int(trainer.estimated_stepping_batches))
+        except (RuntimeError, ValueError, TypeError):
+            return 1
+
+    def _log_step(self, batch: list[Any], result: StepResult, grad_norm: torch.Tensor, seconds: float) -> None:
+        stats = torch.tensor(
+            [float(result.loss_sum), sum(mb.num_real_tokens for mb in batch), sum(mb.seq_ctx.seq_len for mb in batch)],
+            device=self.device,
+            dtype=torch.float64,
+        )
+        stats = self.trainer.strategy.reduce(stats, reduce_op="sum")
+        loss = stats[0] / result.global_tokens.double().clamp(min=1)
+        real_tokens = int(stats[1])
+        self.tokens_seen += real_tokens
+        values = {
+            "train/loss": loss.float(),
+            "train/grad_norm": grad_norm.float(),
+            "train/lr": torch.tensor(self.lr_schedulers().get_last_lr()[0]),
+            "train/tokens_per_sec": torch.tensor(real_tokens / max(seconds, 1e-9)),
+            "train/tokens_seen": torch.tensor(float(self.tokens_seen)),
+            "train/fill_ratio": (stats[1] / stats[2].clamp(min=1)).float(),
+            "train/skipped_steps": torch.tensor(float(self.skipped_steps)),
+        }
+        self.log_dict(values, on_step=True, on_epoch=False, sync_dist=False, batch_size=1)
+        self.log("loss", values["train/loss"], prog_bar=True, logger=False, batch_size=1)
+        self.log("tok/s", values["train/tokens_per_sec"], prog_bar=True, logger=False, batch_size=1)
+        if not math.isfinite(float(loss)):
+            warnings.warn(f"step {self.global_step}: train/loss is {float(loss)}", stacklevel=1)
+
+    def _metrics_for(self, dataloader_idx: int) -> nn.ModuleDict:
+        key = str(dataloader_idx)
+        if key not in self._val_metrics:
+            self._val_metrics[key] = nn.ModuleDict(
+                {name: torchmetrics.SumMetric().to(self.device) for name in ("loss_sum", "tokens", "correct")}
+            )
+        return self._val_metrics[key]
+
+    def _set_name(self, dataloader_idx: int) -> str:
+        datamodule = getattr(self.trainer, "datamodule", None)
+        names = getattr(datamodule, "val_set_names", None) or []
+        return names[dataloader_idx] if dataloader_idx < len(names) else str(dataloader_idx)

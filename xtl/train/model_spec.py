@@ -1,0 +1,79 @@
+"""Turn the ``model:`` value of a recipe into a model config (and the HF directory to load weights from)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any
+
+from xtl.model import MODEL_TYPES, TransformerConfig, get_model_config, get_model_config_from_hf
+
+ENV_PREFIX = "env:"
+
+
+def resolve_path(value: str) -> str:
+    """Expand ``env:VAR`` (the value of an environment variable) and ``~``; other strings are returned as is.
+
+    Raises:
+        ValueError: ``env:VAR`` names an unset variable.
+    """
+    if value.startswith(ENV_PREFIX):
+        name = value[len(ENV_PREFIX) :]
+        if name not in os.environ:
+            raise ValueError(f"{value!r}: environment variable {name} is not set; export it or pass the path directly")
+        value = os.environ[name]
+    return str(Path(value).expanduser()) if value.startswith("~") else value
+
+
+def resolve_model_config(
+    model: str | dict[str, Any], overrides: dict[str, Any] | None = None
+) -> tuple[TransformerConfig, Path | None]:
+    """Resolve a model spec.
+
+    Args:
+        model: An HF model directory (config and weights), ``env:VAR`` naming one, a registered alias
+            (``qwen3-8b``: its config, random init), or a dict ``{"model_type": ..., <config fields>}``.
+        overrides: Config fields to replace (e.g. ``{"attn_impl": "sdpa"}``).
+
+    Returns:
+        ``(config, hf_dir)`` where ``hf_dir`` is the directory to load weights from, or ``None``.
+
+    Raises:
+        ValueError: Unknown model type, unknown config field, or a path/alias that resolves to nothing.
+    """
+    hf_dir: Path | None = None
+    if isinstance(model, dict):
+        fields = dict(model)
+        model_type = fields.pop("model_type", None)
+        if model_type not in MODEL_TYPES:
+            raise ValueError(
+                f"model.model_type {model_type!r} is not supported; use one of {', '.join(sorted(MODEL_TYPES))}"
+            )
+        config = _construct(MODEL_TYPES[model_type], fields, "model")
+    else:
+        value = resolve_path(model)
+        if Path(value).is_dir():
+            hf_dir = Path(value)
+            config = get_model_config_from_hf(hf_dir)
+        else:
+            try:
+                config = get_model_config(value)
+            except KeyError as err:
+                raise ValueError(
+                    f"model {model!r} is neither an HF model directory nor a known alias: {err}"
+                ) from None
+    if overrides:
+        values = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+        if "num_hidden_layers" in overrides and "layer_types" in values:
+            values["layer_types"] = None
+        config = _construct(type(config), {**values, **overrides}, "model_overrides")
+    return config, hf_dir
+
+
+def _construct(cls: type[TransformerConfig], fields: dict[str, Any], where: str) -> TransformerConfig:
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise ValueError(f"{where}: unknown field(s) {unknown} for {cls.__name__}; valid fields: {sorted(known)}")
+    return cls(**fields)

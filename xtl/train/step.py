@@ -1,0 +1,94 @@
+"""One optimizer step's forward/backward over micro-batches, normalized by the global supervised-token count."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from xtl.model.output import ModelOutput
+
+
+@dataclass
+class StepResult:
+    """What one step's forward/backward produced (local to this rank unless stated).
+
+    Attributes:
+        loss_sum: Sum of token losses on this rank (detached, fp32).
+        global_tokens: Supervised tokens of the step over all data-parallel ranks.
+        outputs: The micro-batch outputs' extras (router statistics, ...), in order.
+    """
+
+    loss_sum: torch.Tensor
+    global_tokens: torch.Tensor
+    outputs: list[dict[str, torch.Tensor]]
+
+
+def global_token_count(local: int, device: torch.device, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """All-reduce (sum) this rank's supervised-token count over the data-parallel group."""
+    count = torch.tensor(float(local), device=device)
+    if dist.is_initialized():
+        dist.all_reduce(count, group=group)
+    return count
+
+
+def forward_backward(
+    forward: Callable[[object], ModelOutput],
+    micro_batches: Sequence[object],
+    num_tokens: Callable[[object], int],
+    dp_world_size: int,
+    backward: Callable[[torch.Tensor], None],
+    device: torch.device,
+    group: dist.ProcessGroup | None = None,
+    extra_loss: Callable[[ModelOutput, torch.Tensor], torch.Tensor | None] | None = None,
+    gradient_sync: Callable[[bool], None] | None = None,
+) -> StepResult:
+    """Run forward/backward on every micro-batch with the loss ``loss_sum / global_tokens * dp_world_size``.
+
+    Data-parallel gradient reduction averages over ``dp_world_size`` ranks, so the reduced gradient is the gradient
+    of ``sum(all token losses) / global_tokens``: independent of how tokens are split into ranks and micro-batches.
+
+    Args:
+        forward: Runs the model on one micro-batch, returning a ``ModelOutput`` with ``loss_sum``.
+        micro_batches: This rank's micro-batches of the step.
+        num_tokens: Supervised tokens of one micro-batch.
+        dp_world_size: Ranks the gradient reduction averages over.
+        backward: Backpropagates a scalar (``LightningModule.manual_backward`` or ``Tensor.backward``).
+        device: Device of the token count.
+        group: Data-parallel process group (default: world).
+        extra_loss: Optional extra objective per micro-batch (e.g. router losses), given the output and the global
+            token count; added before backward.
+        gradient_sync: Called with False before all but the last micro-batch and True before the last, so sharded
+            gradients are reduced once per step.
+    """
+    global_tokens = global_token_count(sum(num_tokens(mb) for mb in micro_batches), device, group)
+    denominator = global_tokens.clamp(min=1.0)
+    loss_sum = torch.zeros((), device=device)
+    extras = []
+    for i, mb in enumerate(micro_batches):
+        if gradient_sync is not None:
+            gradient_sync(i == len(micro_batches) - 1)
+        out = forward(mb)
+        loss = out.loss_sum / denominator * dp_world_size
+        extra = extra_loss(out, denominator) if extra_loss is not None else None
+        if extra is not None:
+            loss = loss + extra
+        backward(loss)
+        loss_sum += out.loss_sum.detach().float()
+        extras.append({k: v.detach() if torch.is_tensor(v) else v for k, v in out.extras.items()})
+    return StepResult(loss_sum, global_tokens, extras)
+
+
+def grad_norm_and_clip(params: Sequence[nn.Parameter], max_norm: float | None) -> torch.Tensor:
+    """Total gradient 2-norm over all parameters (DTensor-aware); clips in place when ``max_norm`` is set."""
+    grads = [p for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    norm = torch.nn.utils.clip_grad_norm_(grads, max_norm if max_norm is not None else float("inf"), foreach=True)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    return norm.detach()
