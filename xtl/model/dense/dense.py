@@ -104,8 +104,7 @@ class Dense(BaseModel):
         if position_ids is None:
             position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
         position_embeddings = self.rotary_emb(position_ids, hidden.dtype)
-        for layer in self.layers:
-            hidden = layer(hidden, position_embeddings, mask)
+        hidden, extras = self.run_layers(hidden, position_embeddings, mask, attention_mask, seq_ctx)
         hidden = self.norm(hidden)
         logits, loss, loss_sum, num_tokens = lm_head_loss(hidden, self.lm_head.weight, targets, return_logits)
         return ModelOutput(
@@ -114,4 +113,21 @@ class Dense(BaseModel):
             num_tokens=num_tokens,
             logits=logits,
             hidden_states=hidden if return_hidden_states else None,
+            extras=extras,
         )
+
+    def run_layers(
+        self,
+        hidden: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        mask: AttentionMaskSpec,
+        attention_mask: torch.Tensor | None,
+        seq_ctx: SequenceContext | None,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Run the decoder layers; returns the last hidden states and family extras (none for dense models).
+
+        ``attention_mask`` / ``seq_ctx`` are the caller's, for families that need to know which tokens are real.
+        """
+        for layer in self.layers:
+            hidden = layer(hidden, position_embeddings, mask)
+        return hidden, {}

@@ -9,7 +9,6 @@ import torch
 from torch import nn
 
 from xtl.model.dense.dense import Dense
-from xtl.model.output import ModelOutput
 from xtl.model.sequence import SequenceContext
 from xtl.module.attention import MultiHeadAttention
 from xtl.module.decoder_layer import DecoderLayer
@@ -18,7 +17,6 @@ from xtl.module.moe_block import MoEBlock, MoEDecoderLayer
 from xtl.module.norm import RMSNorm
 from xtl.module.router import NoAuxTopKRouter
 from xtl.ops.attention import AttentionMaskSpec
-from xtl.ops.cross_entropy import lm_head_loss, shift_labels
 from xtl.ops.moe_loss import router_statistics
 
 if TYPE_CHECKING:
@@ -93,33 +91,15 @@ class MoE(Dense):
             dropout=cfg.attention_dropout,
         )
 
-    def forward(
+    def run_layers(
         self,
-        input_ids: torch.Tensor | None = None,
-        labels: torch.Tensor | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.Tensor | None = None,
-        seq_ctx: SequenceContext | None = None,
-        return_logits: bool = True,
-        return_hidden_states: bool = False,
-    ) -> ModelOutput:
-        """Run the model; arguments as :meth:`Dense.forward`. See the class docstring for ``extras``."""
-        if seq_ctx is not None:
-            if input_ids is not None or inputs_embeds is not None or attention_mask is not None:
-                raise ValueError("pass either seq_ctx or input_ids/inputs_embeds/attention_mask, not both")
-            input_ids, inputs_embeds, position_ids = seq_ctx.input_ids, seq_ctx.inputs_embeds, seq_ctx.position_ids
-            mask = AttentionMaskSpec(cu_seq_lens=seq_ctx.cu_seq_lens, max_seq_len=seq_ctx.max_seq_len)
-            targets = labels
-        else:
-            mask = AttentionMaskSpec(padding_mask=attention_mask)
-            targets = shift_labels(labels) if labels is not None else None
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("exactly one of input_ids and inputs_embeds must be given")
-        hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        if position_ids is None:
-            position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-        position_embeddings = self.rotary_emb(position_ids, hidden.dtype)
+        hidden: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        mask: AttentionMaskSpec,
+        attention_mask: torch.Tensor | None,
+        seq_ctx: SequenceContext | None,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Run the layers, collecting router statistics of the MoE layers (see the class docstring)."""
         token_mask = _router_token_mask(hidden, attention_mask, seq_ctx)
         stats = []
         for layer in self.layers:
@@ -128,16 +108,7 @@ class MoE(Dense):
                 stats.append(router_statistics(routing.logits, routing.probs, routing.topk_ids, token_mask))
             else:
                 hidden = layer(hidden, position_embeddings, mask)
-        hidden = self.norm(hidden)
-        logits, loss, loss_sum, num_tokens = lm_head_loss(hidden, self.lm_head.weight, targets, return_logits)
-        return ModelOutput(
-            loss=loss,
-            loss_sum=loss_sum,
-            num_tokens=num_tokens,
-            logits=logits,
-            hidden_states=hidden if return_hidden_states else None,
-            extras=self._extras(stats, hidden, token_mask),
-        )
+        return hidden, self._extras(stats, hidden, token_mask)
 
     @torch.no_grad()
     def update_router_bias(self, tokens_per_expert: torch.Tensor, lr: float) -> None:
