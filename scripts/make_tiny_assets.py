@@ -1,0 +1,141 @@
+"""Generate the embedded tiny assets in ``xtl/assets/tiny/`` (deterministic, no downloads).
+
+    python scripts/make_tiny_assets.py [--out xtl/assets/tiny] [--seed 0]
+
+Writes a byte-level BPE tokenizer with the Qwen3 special tokens and Qwen3 chat template, a synthetic SFT task
+with checkable answers (``sft_train.jsonl``, held-out ``sft_eval.jsonl`` with an ``answer`` field), and a small
+pretraining text set (``pretrain.jsonl``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+from xtl.data.tiny import QWEN3_ADDED_TOKENS, QWEN3_SPECIAL_TOKENS, build_bpe_tokenizer, tiny_assets_dir
+
+VOCAB_SIZE = 1536
+NUM_TRAIN = 6000
+NUM_EVAL = 200
+NUM_PRETRAIN = 3000
+SYSTEM = "You are a precise assistant. Answer with the result only."
+WORDS = (
+    "apple river stone cloud tiger lemon pencil garden rocket candle mirror forest window silver planet "
+    "orange bridge winter summer dragon castle butter marble rabbit violin coffee desert island jungle "
+    "meadow ocean puzzle shadow thunder valley wizard yellow zebra anchor breeze copper dolphin falcon"
+).split()
+
+
+def main() -> None:
+    """Write the assets."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=tiny_assets_dir())
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(args.seed)
+
+    train, evals = _sft_split(rng)
+    pretrain = [{"text": _paragraph(rng)} for _ in range(NUM_PRETRAIN)]
+    _write_jsonl(out / "sft_train.jsonl", train)
+    _write_jsonl(out / "sft_eval.jsonl", evals)
+    _write_jsonl(out / "pretrain.jsonl", pretrain)
+
+    template = (
+        Path(__file__).resolve().parent.parent / "xtl" / "assets" / "chat_templates" / "qwen3.jinja"
+    ).read_text()
+    corpus = [p["text"] for p in pretrain] + [m["content"] for r in train for m in r["messages"]]
+    tokenizer = build_bpe_tokenizer(
+        corpus,
+        vocab_size=VOCAB_SIZE,
+        special_tokens=QWEN3_SPECIAL_TOKENS,
+        added_tokens=QWEN3_ADDED_TOKENS,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=template,
+    )
+    tokenizer.model_max_length = 4096
+    tokenizer.save_pretrained(out)
+    # The generic class name loads with any transformers that reads tokenizer.json.
+    config_path = out / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+    total = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
+    print(f"wrote {out} ({len(train)} train, {len(evals)} eval, {len(pretrain)} pretrain; {total / 1e6:.2f} MB)")
+
+
+def _sft_split(rng: random.Random) -> tuple[list[dict], list[dict]]:
+    tasks: list[Callable[[random.Random], tuple[str, str]]] = [_add, _sub, _reverse, _upper, _count]
+    seen: set[str] = set()
+    evals, train = [], []
+    while len(evals) < NUM_EVAL:
+        prompt, answer = rng.choice(tasks)(rng)
+        if prompt not in seen:
+            seen.add(prompt)
+            evals.append({"messages": _chat(prompt, answer, system=False), "answer": answer})
+    while len(train) < NUM_TRAIN:
+        prompt, answer = rng.choice(tasks)(rng)
+        if prompt in seen:
+            continue
+        train.append({"messages": _chat(prompt, answer, system=rng.random() < 0.3)})
+    return train, evals
+
+
+def _chat(prompt: str, answer: str, system: bool) -> list[dict]:
+    messages = [{"role": "system", "content": SYSTEM}] if system else []
+    return messages + [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]
+
+
+def _add(rng: random.Random) -> tuple[str, str]:
+    a, b = rng.randint(0, 99), rng.randint(0, 99)
+    return f"What is {a}+{b}?", str(a + b)
+
+
+def _sub(rng: random.Random) -> tuple[str, str]:
+    a, b = rng.randint(0, 99), rng.randint(0, 99)
+    a, b = max(a, b), min(a, b)
+    return f"What is {a}-{b}?", str(a - b)
+
+
+def _reverse(rng: random.Random) -> tuple[str, str]:
+    word = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(3, 8)))
+    return f"Reverse the string {word}", word[::-1]
+
+
+def _upper(rng: random.Random) -> tuple[str, str]:
+    text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 3)))
+    return f"Uppercase: {text}", text.upper()
+
+
+def _count(rng: random.Random) -> tuple[str, str]:
+    words = [rng.choice(WORDS) for _ in range(rng.randint(1, 6))]
+    return f"How many words: {' '.join(words)}", str(len(words))
+
+
+def _paragraph(rng: random.Random) -> str:
+    sentences = []
+    for _ in range(rng.randint(2, 6)):
+        kind = rng.randrange(3)
+        if kind == 0:
+            a, b = rng.randint(0, 99), rng.randint(0, 99)
+            sentences.append(f"The sum of {a} and {b} is {a + b}.")
+        elif kind == 1:
+            w = rng.choice(WORDS)
+            sentences.append(f"The word {w} reversed is {w[::-1]} and in capitals it is {w.upper()}.")
+        else:
+            ws = [rng.choice(WORDS) for _ in range(rng.randint(3, 7))]
+            sentences.append(f"A {ws[0]} saw the {' '.join(ws[1:])} near the {rng.choice(WORDS)}.")
+    return " ".join(sentences)
+
+
+def _write_jsonl(path: Path, records: list[dict]) -> None:
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+
+
+if __name__ == "__main__":
+    main()

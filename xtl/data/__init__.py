@@ -1,0 +1,83 @@
+"""The data seam: sources -> tokenize (cached) -> pack -> sample -> collate into step batches.
+
+``XTLDataModule`` (a ``LightningDataModule``) is imported lazily so that the rest of ``xtl.data`` never imports
+Lightning.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from xtl.data.cache import DEFAULT_CACHE_DIR, TokenizedCache, build_cache, cache_key, load_cache
+from xtl.data.collate import MicroBatch, StepCollator, collate_pack
+from xtl.data.dataset import MixedDataset
+from xtl.data.item import IGNORE_INDEX, DataError, DataFileNotFoundError, DataItem
+from xtl.data.loader import ResumableDataLoader
+from xtl.data.packing import Pack, PackedDataset, PackPlan, best_fit_pack, hard_pack, preset_pack
+from xtl.data.sampler import EvalStepSampler, RankSteps, StepSampler, load_preset_order
+from xtl.data.sources import HFSource, JsonlSource, Source, SourceSpec, hash_file, open_source
+from xtl.data.templates import TEMPLATES, ChatTemplate, Rendered, get_template
+from xtl.data.tiny import build_bpe_tokenizer, tiny_assets_dir
+from xtl.data.tokenize import (
+    ChatTokenizeFn,
+    PretrainTokenizeFn,
+    TokenizeFn,
+    build_tokenize_fn,
+    tokenizer_fingerprint,
+)
+
+if TYPE_CHECKING:
+    from xtl.data.datamodule import XTLDataModule
+
+__all__ = [
+    "DEFAULT_CACHE_DIR",
+    "IGNORE_INDEX",
+    "TEMPLATES",
+    "ChatTemplate",
+    "ChatTokenizeFn",
+    "DataError",
+    "DataFileNotFoundError",
+    "DataItem",
+    "EvalStepSampler",
+    "HFSource",
+    "JsonlSource",
+    "MicroBatch",
+    "MixedDataset",
+    "Pack",
+    "PackPlan",
+    "PackedDataset",
+    "PretrainTokenizeFn",
+    "RankSteps",
+    "Rendered",
+    "ResumableDataLoader",
+    "Source",
+    "SourceSpec",
+    "StepCollator",
+    "StepSampler",
+    "TokenizeFn",
+    "TokenizedCache",
+    "XTLDataModule",
+    "best_fit_pack",
+    "build_bpe_tokenizer",
+    "build_cache",
+    "build_tokenize_fn",
+    "cache_key",
+    "collate_pack",
+    "get_template",
+    "hard_pack",
+    "hash_file",
+    "load_cache",
+    "load_preset_order",
+    "open_source",
+    "preset_pack",
+    "tiny_assets_dir",
+    "tokenizer_fingerprint",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "XTLDataModule":
+        from xtl.data.datamodule import XTLDataModule
+
+        return XTLDataModule
+    raise AttributeError(f"module 'xtl.data' has no attribute {name!r}")

@@ -1,0 +1,103 @@
+"""Collate packs into micro-batches: a ``SequenceContext`` plus labels shifted per document."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from xtl.data.item import IGNORE_INDEX
+from xtl.data.packing import Pack
+from xtl.model.sequence import SequenceContext
+
+
+@dataclass
+class MicroBatch:
+    """One packed micro-batch of shape ``(1, T)``.
+
+    ``labels[0, t]`` is the target of position ``t`` (already shifted inside each document; -100 at every
+    document's last token, on unsupervised tokens and on padding). Padding at the end of a pack is its own
+    pseudo-document (``seq_ctx.num_padding`` tokens, labels -100).
+
+    Args:
+        seq_ctx (SequenceContext): Packed ids, ``cu_seq_lens``, per-document ``position_ids``.
+        labels (torch.Tensor): Shifted targets, int64 ``(1, T)``.
+        num_tokens (int): Supervised targets (``labels != -100``).
+        num_real_tokens (int): Non-padding tokens.
+        pack_index (int): Index of the pack in its dataset.
+    """
+
+    seq_ctx: SequenceContext
+    labels: torch.Tensor
+    num_tokens: int
+    num_real_tokens: int
+    pack_index: int = -1
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> MicroBatch:
+        """Move tensors to ``device`` (Lightning's batch transfer calls this).
+
+        Args:
+            device (torch.device | str): Target device.
+            non_blocking (bool): Asynchronous copy where possible.
+
+        Returns:
+            MicroBatch: A moved copy.
+        """
+        return MicroBatch(
+            self.seq_ctx.to(device),
+            self.labels.to(device, non_blocking=non_blocking),
+            self.num_tokens,
+            self.num_real_tokens,
+            self.pack_index,
+        )
+
+
+class StepCollator:
+    """Turn a list of packs (one rank's share of a step) into a list of ``MicroBatch``.
+
+    Args:
+        pad_token_id (int): Id written into padding positions.
+        pad_to (int | None): Pad every pack to this length (fixed shapes); ``None`` keeps each pack's length.
+    """
+
+    def __init__(self, pad_token_id: int = 0, pad_to: int | None = None) -> None:
+        self.pad_token_id = pad_token_id
+        self.pad_to = pad_to
+
+    def __call__(self, packs: list[Pack]) -> list[MicroBatch]:
+        return [collate_pack(p, self.pad_token_id, self.pad_to) for p in packs]
+
+
+def collate_pack(pack: Pack, pad_token_id: int = 0, pad_to: int | None = None) -> MicroBatch:
+    """Build one micro-batch from a pack.
+
+    Args:
+        pack (Pack): Unshifted ids/labels and document lengths.
+        pad_token_id (int): Padding id.
+        pad_to (int | None): Target length (padding appended as one masked pseudo-document).
+
+    Returns:
+        MicroBatch: The micro-batch.
+    """
+    ids, labels, lengths = pack.input_ids, pack.labels, list(pack.lengths)
+    real = len(ids)
+    shifted = np.full(real, IGNORE_INDEX, dtype=np.int64)
+    if real:
+        shifted[:-1] = labels[1:]
+        shifted[np.cumsum(lengths) - 1] = IGNORE_INDEX
+    num_padding = 0
+    if pad_to is not None and real < pad_to:
+        num_padding = pad_to - real
+        ids = np.concatenate([ids, np.full(num_padding, pad_token_id, dtype=np.int64)])
+        shifted = np.concatenate([shifted, np.full(num_padding, IGNORE_INDEX, dtype=np.int64)])
+        lengths.append(num_padding)
+    input_ids = torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64)).unsqueeze(0)
+    ctx = SequenceContext.from_lengths(input_ids, lengths, num_padding=num_padding)
+    return MicroBatch(
+        seq_ctx=ctx,
+        labels=torch.from_numpy(shifted).unsqueeze(0),
+        num_tokens=int((shifted != IGNORE_INDEX).sum()),
+        num_real_tokens=real,
+        pack_index=pack.index,
+    )

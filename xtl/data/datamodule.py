@@ -1,0 +1,337 @@
+"""``XTLDataModule``: the whole data seam behind one ``LightningDataModule`` configurable from YAML."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+from xtl.data.cache import DEFAULT_CACHE_DIR, build_cache
+from xtl.data.collate import StepCollator
+from xtl.data.dataset import MixedDataset
+from xtl.data.item import DataError
+from xtl.data.loader import ResumableDataLoader
+from xtl.data.packing import (
+    OverlongPolicy,
+    PackedDataset,
+    PackingMode,
+    PackPlan,
+    best_fit_pack,
+    hard_pack,
+    preset_pack,
+)
+from xtl.data.sampler import EvalStepSampler, RankSteps, SamplerOrder, StepSampler
+from xtl.data.sources import SourceSpec, open_source
+from xtl.data.tiny import tiny_assets_dir
+from xtl.data.tokenize import build_tokenize_fn
+
+log = logging.getLogger(__name__)
+
+TINY_PREFIX = "tiny:"
+
+
+@dataclass
+class PackedSplit:
+    """A tokenized, mixed and packed dataset with its plan (one for training, one per validation set)."""
+
+    data: MixedDataset
+    plan: PackPlan
+    packs: PackedDataset
+
+
+class XTLDataModule(pl.LightningDataModule):
+    """Sources -> cached tokenization -> packing -> per-rank step batches (``list[MicroBatch]``).
+
+    Every train batch is one optimizer step of this rank: ``micro_batches_per_step`` packed micro-batches. Paths
+    starting with ``tiny:`` resolve inside ``xtl.data.tiny_assets_dir()`` (``tokenizer: "tiny:"`` is the embedded
+    tokenizer).
+
+    Args:
+        sources (list[SourceSpec]): Training sources, mixed by their ``sample_ratio``.
+        tokenizer (str): Tokenizer folder (``AutoTokenizer.from_pretrained``).
+        template (str): Chat template for ``kind: chat`` sources (``qwen3``, ``chatml``, ``qwen2.5``, ``llama3``,
+            ``hf``).
+        pack_max_length (int): Tokens per pack (micro-batch length).
+        packing (str): ``best_fit`` (SFT, samples never split), ``hard`` (pretraining stream cut) or ``preset``.
+        micro_batches_per_step (int): Packs per rank per optimizer step.
+        seed (int): Seed of mixing, packing and sampling.
+        num_workers (int): DataLoader worker processes.
+        cache_dir (str | None): Tokenization cache root (default ``~/.cache/xtl/tokenized``).
+        val_sources (dict[str, list[SourceSpec]] | None): Named validation sets.
+        sampler (str): ``random``, ``length_grouped`` or ``preset``.
+        pack_preset (str | None): ``.npy`` pack table for ``packing: preset``.
+        sampler_preset (str | None): ``.npy`` pack order for ``sampler: preset``.
+        overlong (str): Samples longer than a pack under best-fit: ``truncate``, ``drop`` or ``error``.
+        pad_to_max_length (bool): Pad every pack to ``pack_max_length`` (fixed shapes).
+        template_kwargs (dict[str, Any] | None): Template overrides (e.g. ``date_string`` for llama3).
+        pretrain_eos_token (str | None): EOS appended to ``kind: text`` documents (default: the tokenizer's).
+        tokenize_workers (int | None): Processes for building the cache (default: up to 8 for large sources).
+        val_micro_batches (int | None): Packs per rank per validation step (default ``micro_batches_per_step``).
+        rank (int | None): Data-parallel rank override (default: from the trainer, else torch.distributed, else 0).
+        world_size (int | None): Data-parallel world size override.
+        progress (bool): Show tokenization progress bars.
+    """
+
+    def __init__(
+        self,
+        sources: list[SourceSpec],
+        tokenizer: str,
+        template: str = "qwen3",
+        pack_max_length: int = 4096,
+        packing: PackingMode = "best_fit",
+        micro_batches_per_step: int = 1,
+        seed: int = 0,
+        num_workers: int = 0,
+        cache_dir: str | None = None,
+        val_sources: dict[str, list[SourceSpec]] | None = None,
+        sampler: SamplerOrder = "random",
+        pack_preset: str | None = None,
+        sampler_preset: str | None = None,
+        overlong: OverlongPolicy = "truncate",
+        pad_to_max_length: bool = True,
+        template_kwargs: dict[str, Any] | None = None,
+        pretrain_eos_token: str | None = None,
+        tokenize_workers: int | None = None,
+        val_micro_batches: int | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        progress: bool = True,
+    ) -> None:
+        super().__init__()
+        if not sources:
+            raise DataError("XTLDataModule needs at least one training source")
+        self.sources = [_as_spec(s) for s in sources]
+        self.tokenizer_path = tokenizer
+        self.template = template
+        self.pack_max_length = pack_max_length
+        self.packing = packing
+        self.micro_batches_per_step = micro_batches_per_step
+        self.seed = seed
+        self.num_workers = num_workers
+        self.cache_dir = Path(cache_dir).expanduser() if cache_dir else DEFAULT_CACHE_DIR.expanduser()
+        self.val_sources = {k: [_as_spec(s) for s in v] for k, v in (val_sources or {}).items()}
+        self.sampler_order = sampler
+        self.pack_preset = pack_preset
+        self.sampler_preset = sampler_preset
+        self.overlong = overlong
+        self.pad_to_max_length = pad_to_max_length
+        self.template_kwargs = dict(template_kwargs or {})
+        self.pretrain_eos_token = pretrain_eos_token
+        self.tokenize_workers = tokenize_workers
+        self.val_micro_batches = val_micro_batches or micro_batches_per_step
+        self._rank = rank
+        self._world_size = world_size
+        self.progress = progress
+        self.tokenizer: Any = None
+        self.train_split: PackedSplit | None = None
+        self.val_splits: dict[str, PackedSplit] = {}
+        self._consumed_samples = 0
+        self._train_loader: ResumableDataLoader | None = None
+
+    # -- Lightning hooks -------------------------------------------------------------------------------------------
+
+    def prepare_data(self) -> None:
+        """Build the tokenization caches (runs on one process per node; others find them warm in ``setup``)."""
+        for spec in self.sources + [s for specs in self.val_sources.values() for s in specs]:
+            self._cache(spec)
+
+    def setup(self, stage: str | None = None) -> None:
+        """Load caches (building any that are missing) and compute the pack plans.
+
+        Args:
+            stage (str | None): Lightning stage; ignored (everything is cheap once cached).
+        """
+        if self.train_split is not None:
+            return
+        self.train_split = self._split(self.sources, self.packing, self.pack_preset)
+        report = self.train_split.plan.report()
+        log.info("xtl data: %s sources %s, packing %s", self.packing, self.train_split.data.summary(), report)
+        if report["dropped_overlong"] or report["truncated_overlong"]:
+            log.warning(
+                "xtl data: %d samples longer than pack_max_length=%d were %s",
+                report["dropped_overlong"] or report["truncated_overlong"],
+                self.pack_max_length,
+                "dropped" if report["dropped_overlong"] else "truncated",
+            )
+        for name, specs in self.val_sources.items():
+            self.val_splits[name] = self._split(specs, "best_fit" if self.packing == "preset" else self.packing, None)
+
+    def train_dataloader(self) -> ResumableDataLoader:
+        """This rank's training step batches, resuming at ``consumed_samples``.
+
+        Returns:
+            ResumableDataLoader: Yields ``list[MicroBatch]`` of length ``micro_batches_per_step``.
+        """
+        self.setup()
+        assert self.train_split is not None
+        rank, world = self.data_parallel_rank()
+        plan = self.train_split.plan
+        sampler = StepSampler(
+            num_packs=len(plan),
+            micro_batches_per_step=self.micro_batches_per_step,
+            rank=rank,
+            world_size=world,
+            seed=self.seed,
+            order=self.sampler_order,
+            pack_tokens=plan.pack_tokens() if self.sampler_order == "length_grouped" else None,
+            preset=self.sampler_preset,
+            consumed_samples=self.consumed_samples,
+        )
+        self._train_loader = ResumableDataLoader(
+            self.train_split.packs, sampler, self._collator(), num_workers=self.num_workers
+        )
+        return self._train_loader
+
+    def val_dataloader(self) -> list[torch.utils.data.DataLoader]:
+        """One loader per named validation set, in ``val_set_names`` order (Lightning's ``dataloader_idx``).
+
+        Each batch is this rank's share of one step: a list of up to ``val_micro_batches`` micro-batches (possibly
+        empty on some ranks at the tail, so every rank runs the same number of steps).
+
+        Returns:
+            list[DataLoader]: The loaders (empty when there are no validation sources).
+        """
+        self.setup()
+        rank, world = self.data_parallel_rank()
+        loaders = []
+        collate = self._collator()
+        for name in self.val_set_names:
+            steps = RankSteps(self.val_splits[name].packs, self.val_micro_batches, rank, world)
+            loaders.append(
+                torch.utils.data.DataLoader(
+                    steps,
+                    batch_size=None,
+                    sampler=EvalStepSampler(len(steps)),
+                    collate_fn=collate,
+                    num_workers=self.num_workers,
+                )
+            )
+        return loaders
+
+    def state_dict(self) -> dict[str, Any]:
+        """Data resume state (``consumed_samples``), saved by Lightning in the checkpoint.
+
+        Returns:
+            dict: The state.
+        """
+        return {"consumed_samples": self.consumed_samples, "seed": self.seed}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume: the next train loader starts after ``consumed_samples`` packs.
+
+        Args:
+            state_dict (dict): From ``state_dict()``.
+        """
+        self._consumed_samples = int(state_dict["consumed_samples"])
+        if self._train_loader is not None:
+            self._train_loader.step_sampler.consumed_samples = self._consumed_samples
+
+    # -- public helpers --------------------------------------------------------------------------------------------
+
+    @property
+    def consumed_samples(self) -> int:
+        """Packs consumed by all ranks (from the live train loader when there is one)."""
+        if self._train_loader is not None:
+            return self._train_loader.consumed_samples
+        return self._consumed_samples
+
+    @property
+    def val_set_names(self) -> list[str]:
+        """Names of the validation sets, in ``dataloader_idx`` order."""
+        return list(self.val_sources)
+
+    def data_parallel_rank(self) -> tuple[int, int]:
+        """``(rank, world_size)`` of data parallelism: explicit overrides, the trainer's strategy, torch.distributed.
+
+        Returns:
+            tuple[int, int]: Rank and world size.
+        """
+        if self._rank is not None or self._world_size is not None:
+            return self._rank or 0, self._world_size or 1
+        trainer = self.trainer
+        if trainer is not None:
+            kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None)
+            if kwargs:
+                return int(kwargs.get("rank", 0)), int(kwargs.get("num_replicas", 1))
+            return trainer.global_rank, trainer.world_size
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            return torch.distributed.get_rank(), torch.distributed.get_world_size()
+        return 0, 1
+
+    def load_tokenizer(self) -> Any:
+        """Load (once) the tokenizer named by ``tokenizer``.
+
+        Returns:
+            PreTrainedTokenizerBase: The tokenizer.
+        """
+        if self.tokenizer is None:
+            from transformers import AutoTokenizer
+
+            path = _resolve(self.tokenizer_path)
+            if not Path(path).exists():
+                raise DataError(f"tokenizer {path} does not exist; set `tokenizer` to a folder with tokenizer.json")
+            self.tokenizer = AutoTokenizer.from_pretrained(path)
+        return self.tokenizer
+
+    # -- private ---------------------------------------------------------------------------------------------------
+
+    def _cache(self, spec: SourceSpec):
+        tokenizer = self.load_tokenizer()
+        source = open_source(_resolved_spec(spec), hf_cache_dir=self.cache_dir / "hf")
+        fn = build_tokenize_fn(
+            spec.kind,
+            tokenizer,
+            template=self.template,
+            text_key=spec.text_key,
+            messages_key=spec.messages_key,
+            chunk_size=spec.chunk_size,
+            chunk_overlap=spec.chunk_overlap,
+            template_kwargs=self.template_kwargs,
+            eos_token=self.pretrain_eos_token,
+        )
+        return build_cache(source, fn, self.cache_dir, num_proc=self.tokenize_workers, progress=self.progress)
+
+    def _split(self, specs: list[SourceSpec], packing: str, preset: str | None) -> PackedSplit:
+        caches = [self._cache(s) for s in specs]
+        data = MixedDataset(caches, [s.sample_ratio for s in specs], self.seed, [s.display_name for s in specs])
+        if packing == "hard":
+            plan = hard_pack(data.num_tokens, self.pack_max_length, self.seed)
+        elif packing == "best_fit":
+            plan = best_fit_pack(data.num_tokens, self.pack_max_length, self.seed, self.overlong)
+        elif packing == "preset":
+            if preset is None:
+                raise DataError("packing 'preset' needs `pack_preset`: a .npy table of (pack, sample, start, end)")
+            plan = preset_pack(_resolve(preset), data.num_tokens, self.pack_max_length)
+        else:
+            raise DataError(f"unknown packing {packing!r}; use best_fit, hard or preset")
+        return PackedSplit(data, plan, PackedDataset(data, plan))
+
+    def _collator(self) -> StepCollator:
+        tokenizer = self.load_tokenizer()
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        return StepCollator(int(pad_id or 0), self.pack_max_length if self.pad_to_max_length else None)
+
+
+def _resolve(path: str) -> str:
+    if path.startswith(TINY_PREFIX):
+        return str(tiny_assets_dir() / path[len(TINY_PREFIX) :])
+    return path
+
+
+def _resolved_spec(spec: SourceSpec) -> SourceSpec:
+    return replace(spec, path=_resolve(spec.path))
+
+
+def _as_spec(spec: SourceSpec | dict[str, Any]) -> SourceSpec:
+    if isinstance(spec, SourceSpec):
+        return spec
+    if isinstance(spec, dict):
+        try:
+            return SourceSpec(**spec)
+        except TypeError as exc:
+            raise DataError(f"bad source spec {spec}: {exc}") from None
+    raise DataError(f"a source must be a SourceSpec or a mapping, got {type(spec).__name__}")

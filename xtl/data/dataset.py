@@ -1,0 +1,92 @@
+"""A mix of tokenized sources with per-source sample ratios, deterministic from the seed."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from xtl.data.cache import TokenizedCache
+from xtl.data.item import DataError, DataItem
+
+
+class MixedDataset:
+    """Tokenized samples of several sources, each repeated or subsampled by its ``sample_ratio``.
+
+    A ratio ``r`` on ``n`` samples keeps ``round(r * n)`` of them: ``floor(r)`` full copies plus a seeded random
+    subset (without replacement) for the fraction. Sample ``i`` of the mix is ``(source, sample)`` =
+    ``(source_ids[i], sample_ids[i])``; sources follow each other in the given order.
+
+    Args:
+        caches (Sequence[TokenizedCache]): One cache entry per source.
+        ratios (Sequence[float]): Sample ratio per source (> 0).
+        seed (int): Seed of the subsampling.
+        names (Sequence[str] | None): Source names, for reports.
+    """
+
+    def __init__(
+        self,
+        caches: Sequence[TokenizedCache],
+        ratios: Sequence[float],
+        seed: int = 0,
+        names: Sequence[str] | None = None,
+    ) -> None:
+        if len(caches) != len(ratios):
+            raise DataError(f"{len(caches)} sources but {len(ratios)} sample ratios")
+        self.caches = list(caches)
+        self.names = list(names) if names is not None else [c.directory.name for c in caches]
+        source_ids, sample_ids = [], []
+        for k, (cache, ratio) in enumerate(zip(caches, ratios)):
+            if not ratio > 0:
+                raise DataError(f"sample_ratio of source {self.names[k]!r} must be > 0, got {ratio}")
+            picked = _ratio_indices(len(cache), ratio, np.random.default_rng([seed, k]))
+            source_ids.append(np.full(len(picked), k, dtype=np.int32))
+            sample_ids.append(picked)
+        self.source_ids = np.concatenate(source_ids) if source_ids else np.zeros(0, dtype=np.int32)
+        self.sample_ids = np.concatenate(sample_ids) if sample_ids else np.zeros(0, dtype=np.int64)
+        per_source = [c.num_tokens for c in caches]
+        self.num_tokens = (
+            np.concatenate([per_source[k][s] for k, s in zip(range(len(caches)), sample_ids)])
+            if caches
+            else np.zeros(0, dtype=np.int64)
+        ).astype(np.int64)
+
+    def __len__(self) -> int:
+        return len(self.sample_ids)
+
+    def __getitem__(self, index: int) -> DataItem:
+        return self.caches[int(self.source_ids[index])].item(int(self.sample_ids[index]))
+
+    def tokens(self, index: int, start: int = 0, end: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Ids and unshifted labels of mixed sample ``index`` (optionally a token slice).
+
+        Args:
+            index (int): Mixed sample index.
+            start (int): First token.
+            end (int | None): One past the last token.
+
+        Returns:
+            tuple[np.ndarray, np.ndarray]: int64 ids and labels.
+        """
+        return self.caches[int(self.source_ids[index])].tokens(int(self.sample_ids[index]), start, end)
+
+    def summary(self) -> list[dict[str, int | str]]:
+        """Per-source sample and token counts in the mix.
+
+        Returns:
+            list[dict]: One row per source.
+        """
+        rows = []
+        for k, name in enumerate(self.names):
+            sel = self.source_ids == k
+            rows.append({"name": name, "samples": int(sel.sum()), "tokens": int(self.num_tokens[sel].sum())})
+        return rows
+
+
+def _ratio_indices(n: int, ratio: float, rng: np.random.Generator) -> np.ndarray:
+    total = int(round(n * ratio))
+    full, rest = divmod(total, n) if n else (0, 0)
+    parts = [np.arange(n, dtype=np.int64)] * full
+    if rest:
+        parts.append(np.sort(rng.choice(n, size=rest, replace=False)).astype(np.int64))
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)

@@ -1,0 +1,288 @@
+"""Packing: which token ranges of which samples form each pack of at most ``pack_max_length`` tokens.
+
+A ``PackPlan`` is three flat arrays of segments (sample, token start, token end) grouped by pack; every segment is
+one document of its pack, so attention and position ids restart at segment boundaries.
+
+- ``hard_pack``: shuffle samples, lay their tokens end to end, cut every ``pack_max_length`` (pretraining; a cut
+  document continues in the next pack as a new document).
+- ``best_fit_pack``: best-fit decreasing, never splitting a sample (SFT); overlong samples are truncated, dropped
+  or rejected by policy and counted.
+- ``preset_pack``: a user ``.npy`` table of ``(pack, sample, start, end)`` rows, validated.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+
+from xtl.data.dataset import MixedDataset
+from xtl.data.item import DataError, DataFileNotFoundError
+
+OverlongPolicy = Literal["truncate", "drop", "error"]
+PackingMode = Literal["hard", "best_fit", "preset"]
+
+
+@dataclass
+class PackPlan:
+    """Segments grouped by pack: pack ``p`` holds segments ``pack_offsets[p]:pack_offsets[p+1]``."""
+
+    pack_max_length: int
+    pack_offsets: np.ndarray
+    seg_sample: np.ndarray
+    seg_start: np.ndarray
+    seg_end: np.ndarray
+    num_dropped: int = 0
+    num_truncated: int = 0
+    truncated_tokens: int = 0
+
+    def __len__(self) -> int:
+        return len(self.pack_offsets) - 1
+
+    def pack_tokens(self) -> np.ndarray:
+        """Real (non-padding) tokens of every pack.
+
+        Returns:
+            np.ndarray: int64 ``(num_packs,)``.
+        """
+        seg_len = self.seg_end - self.seg_start
+        sums = np.zeros(len(self), dtype=np.int64)
+        if len(seg_len):
+            pack_of_seg = np.repeat(np.arange(len(self)), np.diff(self.pack_offsets))
+            np.add.at(sums, pack_of_seg, seg_len)
+        return sums
+
+    def fill_ratio(self) -> float:
+        """Share of non-padding tokens when every pack is padded to ``pack_max_length``.
+
+        Returns:
+            float: In ``[0, 1]``.
+        """
+        if len(self) == 0:
+            return 0.0
+        return float(self.pack_tokens().sum() / (len(self) * self.pack_max_length))
+
+    def report(self) -> dict[str, float | int]:
+        """Counts for logs: packs, documents, fill ratio, dropped and truncated samples.
+
+        Returns:
+            dict: The report.
+        """
+        return {
+            "packs": len(self),
+            "documents": int(len(self.seg_sample)),
+            "tokens": int(self.pack_tokens().sum()),
+            "fill_ratio": round(self.fill_ratio(), 4),
+            "dropped_overlong": self.num_dropped,
+            "truncated_overlong": self.num_truncated,
+            "truncated_tokens": self.truncated_tokens,
+        }
+
+
+@dataclass
+class Pack:
+    """One pack read from the caches: unshifted ids/labels and the length of each document."""
+
+    index: int
+    input_ids: np.ndarray
+    labels: np.ndarray
+    lengths: list[int]
+
+
+class PackedDataset:
+    """Map-style dataset of packs over a ``MixedDataset``.
+
+    Args:
+        data (MixedDataset): Tokenized samples.
+        plan (PackPlan): Which token ranges form each pack.
+    """
+
+    def __init__(self, data: MixedDataset, plan: PackPlan) -> None:
+        self.data = data
+        self.plan = plan
+
+    def __len__(self) -> int:
+        return len(self.plan)
+
+    def __getitem__(self, index: int) -> Pack:
+        plan = self.plan
+        a, b = int(plan.pack_offsets[index]), int(plan.pack_offsets[index + 1])
+        ids, labels, lengths = [], [], []
+        for s in range(a, b):
+            seg_ids, seg_labels = self.data.tokens(
+                int(plan.seg_sample[s]), int(plan.seg_start[s]), int(plan.seg_end[s])
+            )
+            ids.append(seg_ids)
+            labels.append(seg_labels)
+            lengths.append(len(seg_ids))
+        if not ids:
+            return Pack(index, np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), [])
+        return Pack(index, np.concatenate(ids), np.concatenate(labels), lengths)
+
+
+def hard_pack(num_tokens: np.ndarray, pack_max_length: int, seed: int = 0, shuffle: bool = True) -> PackPlan:
+    """Cut the (seeded-shuffled) token stream of all samples every ``pack_max_length`` tokens.
+
+    Every source token lands in exactly one pack; only the last pack can be short.
+
+    Args:
+        num_tokens (np.ndarray): Tokens per sample.
+        pack_max_length (int): Pack length.
+        seed (int): Seed of the sample order.
+        shuffle (bool): Shuffle samples before concatenation.
+
+    Returns:
+        PackPlan: The plan.
+    """
+    _check_length(pack_max_length)
+    lengths = np.asarray(num_tokens, dtype=np.int64)
+    order = np.random.default_rng(seed).permutation(len(lengths)) if shuffle else np.arange(len(lengths))
+    order = order[lengths[order] > 0]
+    doc_len = lengths[order]
+    ends = np.cumsum(doc_len)
+    starts = ends - doc_len
+    first_pack = starts // pack_max_length
+    last_pack = (ends - 1) // pack_max_length
+    counts = last_pack - first_pack + 1
+    seg_doc = np.repeat(np.arange(len(order)), counts)
+    within = np.arange(len(seg_doc)) - np.repeat(np.cumsum(counts) - counts, counts)
+    seg_pack = first_pack[seg_doc] + within
+    stream_start = np.maximum(starts[seg_doc], seg_pack * pack_max_length)
+    stream_end = np.minimum(ends[seg_doc], (seg_pack + 1) * pack_max_length)
+    num_packs = int(last_pack[-1]) + 1 if len(order) else 0
+    pack_offsets = np.searchsorted(seg_pack, np.arange(num_packs + 1), side="left").astype(np.int64)
+    return PackPlan(
+        pack_max_length,
+        pack_offsets,
+        order[seg_doc].astype(np.int64),
+        (stream_start - starts[seg_doc]).astype(np.int64),
+        (stream_end - starts[seg_doc]).astype(np.int64),
+    )
+
+
+def best_fit_pack(
+    num_tokens: np.ndarray, pack_max_length: int, seed: int = 0, overlong: OverlongPolicy = "truncate"
+) -> PackPlan:
+    """Best-fit decreasing: longest samples first, each into the fullest pack that still has room.
+
+    Ties in length are ordered by a seeded shuffle, so the plan is deterministic from ``seed``.
+
+    Args:
+        num_tokens (np.ndarray): Tokens per sample.
+        pack_max_length (int): Pack capacity.
+        seed (int): Seed of the tie order.
+        overlong (str): ``"truncate"`` (keep the first ``pack_max_length`` tokens), ``"drop"`` or ``"error"``.
+
+    Returns:
+        PackPlan: The plan; packs in creation order (the sampler shuffles them).
+    """
+    _check_length(pack_max_length)
+    lengths = np.asarray(num_tokens, dtype=np.int64)
+    too_long = np.flatnonzero(lengths > pack_max_length)
+    num_dropped = num_truncated = truncated_tokens = 0
+    if len(too_long):
+        if overlong == "error":
+            raise DataError(
+                f"{len(too_long)} samples exceed pack_max_length={pack_max_length} (longest "
+                f"{int(lengths.max())} tokens, e.g. sample {int(too_long[0])}); raise pack_max_length or set "
+                "overlong to 'truncate' or 'drop'"
+            )
+        if overlong == "drop":
+            num_dropped = len(too_long)
+        else:
+            num_truncated = len(too_long)
+            truncated_tokens = int((lengths[too_long] - pack_max_length).sum())
+    perm = np.random.default_rng(seed).permutation(len(lengths))
+    fits = lengths[perm] <= pack_max_length if overlong == "drop" else np.ones(len(perm), dtype=bool)
+    perm = perm[fits & (lengths[perm] > 0)]
+    sizes = np.minimum(lengths, pack_max_length)
+    order = perm[np.argsort(-sizes[perm], kind="stable")]
+    bins: list[list[int]] = []
+    free: list[int] = []  # sorted keys remaining * 2**32 + bin id, for bins with room left
+    shift = 1 << 32
+    for sample in order.tolist():
+        need = int(sizes[sample])
+        pos = bisect.bisect_left(free, need * shift)
+        if pos < len(free):
+            key = free.pop(pos)
+            remaining, bin_id = divmod(key, shift)
+            bins[bin_id].append(sample)
+            remaining -= need
+        else:
+            bin_id = len(bins)
+            bins.append([sample])
+            remaining = pack_max_length - need
+        if remaining > 0:
+            bisect.insort(free, remaining * shift + bin_id)
+    seg_sample = np.fromiter((s for b in bins for s in b), dtype=np.int64, count=len(order))
+    pack_offsets = np.zeros(len(bins) + 1, dtype=np.int64)
+    np.cumsum([len(b) for b in bins], out=pack_offsets[1:])
+    return PackPlan(
+        pack_max_length,
+        pack_offsets,
+        seg_sample,
+        np.zeros(len(seg_sample), dtype=np.int64),
+        sizes[seg_sample].astype(np.int64),
+        num_dropped=num_dropped,
+        num_truncated=num_truncated,
+        truncated_tokens=truncated_tokens,
+    )
+
+
+def preset_pack(path: str | Path, num_tokens: np.ndarray, pack_max_length: int) -> PackPlan:
+    """Load and validate a user pack table.
+
+    The ``.npy`` holds an integer array of shape ``(num_segments, 4)``: ``pack, sample, start, end`` per row, rows
+    of one pack adjacent, pack ids ``0..P-1`` in order; ``sample`` indexes the mixed dataset, ``[start, end)`` is a
+    token range of that sample, and a pack holds at most ``pack_max_length`` tokens.
+
+    Args:
+        path (str | Path): The ``.npy`` file.
+        num_tokens (np.ndarray): Tokens per mixed sample.
+        pack_max_length (int): Pack capacity.
+
+    Returns:
+        PackPlan: The plan.
+    """
+    _check_length(pack_max_length)
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise DataFileNotFoundError(f"pack preset {path} does not exist; fix `pack_preset`")
+    table = np.load(path, mmap_mode="r", allow_pickle=False)
+    where = f"pack preset {path}"
+    if table.ndim != 2 or table.shape[1] != 4:
+        raise DataError(
+            f"{where} has shape {table.shape}; expected (num_segments, 4) rows of pack, sample, start, end"
+        )
+    if not np.issubdtype(table.dtype, np.integer):
+        raise DataError(f"{where} has dtype {table.dtype}; expected an integer dtype (e.g. int64)")
+    table = np.asarray(table, dtype=np.int64)
+    pack, sample, start, end = table.T
+    lengths = np.asarray(num_tokens, dtype=np.int64)
+    _first_bad(where, (sample < 0) | (sample >= len(lengths)), sample, f"sample index outside [0, {len(lengths)})")
+    _first_bad(where, (start < 0) | (start >= end), start, "needs 0 <= start < end")
+    _first_bad(where, end > lengths[np.clip(sample, 0, max(len(lengths) - 1, 0))], end, "end beyond the sample length")
+    if len(pack) and (pack[0] != 0 or np.any(np.diff(pack) < 0) or np.any(np.diff(pack) > 1)):
+        raise DataError(f"{where}: pack ids must start at 0 and increase by 0 or 1 from row to row")
+    num_packs = int(pack[-1]) + 1 if len(pack) else 0
+    pack_offsets = np.searchsorted(pack, np.arange(num_packs + 1), side="left").astype(np.int64)
+    plan = PackPlan(pack_max_length, pack_offsets, sample.copy(), start.copy(), end.copy())
+    over = np.flatnonzero(plan.pack_tokens() > pack_max_length)
+    if len(over):
+        raise DataError(f"{where}: pack {int(over[0])} holds more than pack_max_length={pack_max_length} tokens")
+    return plan
+
+
+def _check_length(pack_max_length: int) -> None:
+    if pack_max_length < 2:
+        raise DataError(f"pack_max_length must be at least 2, got {pack_max_length}")
+
+
+def _first_bad(where: str, bad: np.ndarray, values: np.ndarray, reason: str) -> None:
+    rows = np.flatnonzero(bad)
+    if len(rows):
+        row = int(rows[0])
+        raise DataError(f"{where}: row {row} (value {int(values[row])}) {reason}; {len(rows)} rows are invalid")
