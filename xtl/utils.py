@@ -10,6 +10,29 @@ from contextlib import contextmanager
 from pathlib import Path
 
 _TRUE = {"1", "true", "yes", "on"}
+TINY_ASSETS_DIR = Path(__file__).resolve().parent / "assets" / "tiny"
+TINY_PREFIX = "tiny:"
+ENV_PREFIX = "env:"
+
+
+def resolve_path(value: str) -> str:
+    """Expand the path forms recipes accept.
+
+    ``env:VAR`` is the value of an environment variable, ``tiny:NAME`` a file of the embedded tiny assets
+    (``tiny:`` alone is their folder, which holds the tiny tokenizer), and a leading ``~`` the home directory.
+    Anything else is returned unchanged.
+
+    Raises:
+        ValueError: ``env:VAR`` names an unset variable.
+    """
+    if value.startswith(ENV_PREFIX):
+        name = value[len(ENV_PREFIX) :]
+        if name not in os.environ:
+            raise ValueError(f"{value!r}: environment variable {name} is not set; export it or pass the path directly")
+        value = os.environ[name]
+    if value.startswith(TINY_PREFIX):
+        return str(TINY_ASSETS_DIR / value[len(TINY_PREFIX) :])
+    return str(Path(value).expanduser()) if value.startswith("~") else value
 
 
 def hf_impl_enabled() -> bool:

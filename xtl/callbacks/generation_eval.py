@@ -11,7 +11,7 @@ import torch
 
 from xtl.data.item import DataError
 from xtl.train.generation import greedy_generate
-from xtl.train.model_spec import resolve_path
+from xtl.utils import resolve_path
 
 
 class GenerationEval(pl.Callback):
@@ -92,7 +92,7 @@ class GenerationEval(pl.Callback):
             logger.log_metrics({f"eval/{self.name}": score}, step=trainer.global_step)
 
     def _samples(self) -> list[tuple[list[dict], str]]:
-        path = _resolve(self.path)
+        path = Path(resolve_path(self.path))
         if not path.is_file():
             raise DataError(f"GenerationEval: {path} does not exist")
         samples = []
@@ -115,11 +115,3 @@ class GenerationEval(pl.Callback):
                     raise DataError(f"{path}:{lineno}: no 'answer' and no final assistant turn to compare against")
                 samples.append((messages, str(answer)))
         return samples
-
-
-def _resolve(path: str) -> Path:
-    from xtl.data import tiny_assets_dir
-
-    if path.startswith("tiny:"):
-        return tiny_assets_dir() / path[len("tiny:") :]
-    return Path(resolve_path(path))

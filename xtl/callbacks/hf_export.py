@@ -9,7 +9,7 @@ import lightning.pytorch as pl
 import torch
 
 from xtl.model.hf.saver import copy_side_files
-from xtl.train.model_spec import resolve_path
+from xtl.utils import resolve_path
 
 
 class HFExport(pl.Callback):
@@ -61,15 +61,7 @@ class HFExport(pl.Callback):
         pl_module.model.save_hf(target, max_shard_size=self.max_shard_size, dtype=dtype)
         tokenizer = getattr(getattr(trainer, "datamodule", None), "tokenizer_path", None)
         if trainer.is_global_zero and tokenizer:
-            copy_side_files(_tokenizer_dir(tokenizer), target)
+            copy_side_files(resolve_path(tokenizer), target)
         trainer.strategy.barrier()
         self.exported.append(target)
         return target
-
-
-def _tokenizer_dir(path: str) -> Path:
-    from xtl.data import tiny_assets_dir
-
-    if path.startswith("tiny:"):
-        return tiny_assets_dir() / path[len("tiny:") :]
-    return Path(resolve_path(path))

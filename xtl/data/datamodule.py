@@ -26,12 +26,11 @@ from xtl.data.packing import (
 )
 from xtl.data.sampler import EvalStepSampler, RankSteps, SamplerOrder, StepSampler
 from xtl.data.sources import SourceSpec, open_source
-from xtl.data.tiny import tiny_assets_dir
 from xtl.data.tokenize import build_tokenize_fn
+from xtl.utils import resolve_path
 
 log = logging.getLogger(__name__)
 
-TINY_PREFIX = "tiny:"
 
 
 @dataclass
@@ -47,7 +46,8 @@ class XTLDataModule(pl.LightningDataModule):
     """Sources -> cached tokenization -> packing -> per-rank step batches (``list[MicroBatch]``).
 
     Every train batch is one optimizer step of this rank: ``micro_batches_per_step`` packed micro-batches. Paths
-    starting with ``tiny:`` resolve inside ``xtl.data.tiny_assets_dir()`` (``tokenizer: "tiny:"`` is the embedded
+    starting with ``tiny:`` resolve inside ``xtl.data.tiny_assets_dir()``, ``env:VAR`` to an environment variable
+    (``xtl.utils.resolve_path``); ``tokenizer: "tiny:"`` is the embedded
     tokenizer).
 
     Args:
@@ -317,9 +317,7 @@ class XTLDataModule(pl.LightningDataModule):
 
 
 def _resolve(path: str) -> str:
-    if path.startswith(TINY_PREFIX):
-        return str(tiny_assets_dir() / path[len(TINY_PREFIX) :])
-    return path
+    return resolve_path(path)
 
 
 def _resolved_spec(spec: SourceSpec) -> SourceSpec:

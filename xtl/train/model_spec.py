@@ -3,27 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 from pathlib import Path
 from typing import Any
 
 from xtl.model import MODEL_TYPES, TransformerConfig, get_model_config, get_model_config_from_hf
-
-ENV_PREFIX = "env:"
-
-
-def resolve_path(value: str) -> str:
-    """Expand ``env:VAR`` (the value of an environment variable) and ``~``; other strings are returned as is.
-
-    Raises:
-        ValueError: ``env:VAR`` names an unset variable.
-    """
-    if value.startswith(ENV_PREFIX):
-        name = value[len(ENV_PREFIX) :]
-        if name not in os.environ:
-            raise ValueError(f"{value!r}: environment variable {name} is not set; export it or pass the path directly")
-        value = os.environ[name]
-    return str(Path(value).expanduser()) if value.startswith("~") else value
+from xtl.utils import resolve_path
 
 
 def resolve_model_config(
