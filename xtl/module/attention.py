@@ -75,8 +75,10 @@ class MultiHeadAttention(nn.Module):
         v = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         cos, sin = position_embeddings
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        attn = get_attn_impl_fn(self.attn_impl)
-        out = attn(
-            q, k, v, mask.with_window(self.sliding_window), self.scaling, self.dropout if self.training else 0.0
-        )
+        out = self.attend(q, k, v, mask.with_window(self.sliding_window))
         return self.o_proj(out.reshape(*input_shape, -1).contiguous())
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMaskSpec) -> torch.Tensor:
+        """The attention core on rotated ``q``/``k`` and ``v``, through the selected implementation."""
+        attn = get_attn_impl_fn(self.attn_impl)
+        return attn(q, k, v, mask, self.scaling, self.dropout if self.training else 0.0)

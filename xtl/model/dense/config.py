@@ -55,7 +55,8 @@ class SlidingWindowMixin:
             self.sliding_window = None
         if self.layer_types is None:
             self.layer_types = [
-                "sliding_attention" if self.sliding_window is not None and i >= self.max_window_layers
+                "sliding_attention"
+                if self.sliding_window is not None and i >= self.max_window_layers
                 else "full_attention"
                 for i in range(self.num_hidden_layers)
             ]

@@ -47,10 +47,18 @@ class Dense(BaseModel):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
+    attention_class: type[MultiHeadAttention] = MultiHeadAttention
+
     def build_layer(self, layer_idx: int) -> DecoderLayer:
         """Build decoder layer ``layer_idx`` from the config's attention and MLP settings."""
         cfg = self.config
-        attn = MultiHeadAttention(
+        mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, bias=cfg.mlp_bias)
+        return DecoderLayer(self.build_attention(layer_idx), mlp, cfg.hidden_size, cfg.rms_norm_eps)
+
+    def build_attention(self, layer_idx: int) -> MultiHeadAttention:
+        """The attention of layer ``layer_idx`` (``attention_class`` built from the config)."""
+        cfg = self.config
+        return self.attention_class(
             hidden_size=cfg.hidden_size,
             num_heads=cfg.num_attention_heads,
             num_kv_heads=cfg.num_key_value_heads,
@@ -63,8 +71,6 @@ class Dense(BaseModel):
             sliding_window=cfg.layer_sliding_window(layer_idx),
             dropout=cfg.attention_dropout,
         )
-        mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, bias=cfg.mlp_bias)
-        return DecoderLayer(attn, mlp, cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(
         self,

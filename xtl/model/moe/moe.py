@@ -6,11 +6,9 @@ import re
 from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
 
 from xtl.model.dense.dense import Dense
 from xtl.model.sequence import SequenceContext
-from xtl.module.attention import MultiHeadAttention
 from xtl.module.decoder_layer import DecoderLayer
 from xtl.module.mlp import GatedMLP
 from xtl.module.moe_block import MoEBlock, MoEDecoderLayer
@@ -44,7 +42,6 @@ class MoE(Dense):
     """
 
     config: MoEConfig
-    attention_class: type[MultiHeadAttention] = MultiHeadAttention
 
     def __init__(self, config: MoEConfig) -> None:
         super().__init__(config)
@@ -73,23 +70,6 @@ class MoE(Dense):
             layer.input_layernorm = cfg.norm_class(cfg.hidden_size, cfg.rms_norm_eps)
             layer.post_attention_layernorm = cfg.norm_class(cfg.hidden_size, cfg.rms_norm_eps)
         return layer
-
-    def build_attention(self, layer_idx: int) -> nn.Module:
-        """The attention of layer ``layer_idx`` (grouped-query attention by default)."""
-        cfg = self.config
-        return self.attention_class(
-            hidden_size=cfg.hidden_size,
-            num_heads=cfg.num_attention_heads,
-            num_kv_heads=cfg.num_key_value_heads,
-            head_dim=cfg.resolved_head_dim,
-            bias=cfg.qkv_bias,
-            o_bias=cfg.o_bias,
-            qk_norm=cfg.qk_norm,
-            rms_norm_eps=cfg.rms_norm_eps,
-            attn_impl=cfg.attn_impl,
-            sliding_window=cfg.layer_sliding_window(layer_idx),
-            dropout=cfg.attention_dropout,
-        )
 
     def run_layers(
         self,
