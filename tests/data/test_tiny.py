@@ -47,10 +47,16 @@ class TestTinyAssets:
             if m := re.fullmatch(r"What is (\d+)([+-])(\d+)\?", prompt):
                 a, op, b = int(m[1]), m[2], int(m[3])
                 assert int(answer) == (a + b if op == "+" else a - b)
-            elif prompt.startswith("Reverse the string "):
-                assert answer == prompt.removeprefix("Reverse the string ")[::-1]
+            elif m := re.fullmatch(r"What number comes after (\d+)\?", prompt):
+                assert int(answer) == int(m[1]) + 1
+            elif prompt.startswith("Repeat: "):
+                assert answer == prompt.removeprefix("Repeat: ")
+            elif prompt.startswith("How many words: "):
+                assert int(answer) == len(prompt.removeprefix("How many words: ").split())
             elif prompt.startswith("Uppercase: "):
                 assert answer == prompt.removeprefix("Uppercase: ").upper()
+            else:
+                raise AssertionError(f"unknown task prompt {prompt!r}")
 
     def test_generator_reproduces_committed_files(self, tmp_path):
         script = REPO / "scripts" / "make_tiny_assets.py"

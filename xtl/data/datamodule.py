@@ -47,8 +47,7 @@ class XTLDataModule(pl.LightningDataModule):
 
     Every train batch is one optimizer step of this rank: ``micro_batches_per_step`` packed micro-batches. Paths
     starting with ``tiny:`` resolve inside ``xtl.data.tiny_assets_dir()``, ``env:VAR`` to an environment variable
-    (``xtl.utils.resolve_path``); ``tokenizer: "tiny:"`` is the embedded
-    tokenizer).
+    (``xtl.utils.resolve_path``); ``tokenizer: "tiny:"`` is the embedded tokenizer.
 
     Args:
         sources (list[SourceSpec]): Training sources, mixed by their ``sample_ratio``.
