@@ -131,11 +131,7 @@ class Qwen3Template(ChatTemplate):
                 out.add(body + "<|im_end|>", loss=m.get("loss", True))
                 out.add("\n")
             elif role == "tool":
-                if i == 0 or messages[i - 1]["role"] != "tool":
-                    out.add("<|im_start|>user")
-                out.add("\n<tool_response>\n" + content + "\n</tool_response>")
-                if i == len(messages) - 1 or messages[i + 1]["role"] != "tool":
-                    out.add("<|im_end|>\n")
+                _chatml_tool_turn(out, messages, i, content)
         if add_generation_prompt:
             out.add("<|im_start|>assistant\n<think>\n")
 
@@ -181,12 +177,7 @@ class ChatMLTemplate(ChatTemplate):
                 out.add(body[1:] + "<|im_end|>", loss=m.get("loss", True))
                 out.add("\n")
             elif role == "tool":
-                content = _require_str(m, i, location, self.name)
-                if i == 0 or messages[i - 1]["role"] != "tool":
-                    out.add("<|im_start|>user")
-                out.add("\n<tool_response>\n" + content + "\n</tool_response>")
-                if i == len(messages) - 1 or messages[i + 1]["role"] != "tool":
-                    out.add("<|im_end|>\n")
+                _chatml_tool_turn(out, messages, i, _require_str(m, i, location, self.name))
         if add_generation_prompt:
             out.add("<|im_start|>assistant\n")
 
@@ -399,3 +390,12 @@ def _require_str(m: dict[str, Any], index: int, location: str, template: str) ->
             "'content' here (only assistant turns with tool_calls may omit it)"
         )
     return content
+
+
+def _chatml_tool_turn(out, messages: list[dict], i: int, content: str) -> None:  # noqa: ANN001
+    """Consecutive tool results share one ``user`` turn, each wrapped in ``<tool_response>`` (Qwen ChatML)."""
+    if i == 0 or messages[i - 1]["role"] != "tool":
+        out.add("<|im_start|>user")
+    out.add("\n<tool_response>\n" + content + "\n</tool_response>")
+    if i == len(messages) - 1 or messages[i + 1]["role"] != "tool":
+        out.add("<|im_end|>\n")
