@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -33,16 +33,23 @@ class AttentionMaskSpec:
         max_seq_len: Longest document of a packed batch.
         padding_mask: ``(B, T)`` with 1 for real tokens, 0 for padding (ordinary batches only).
         sliding_window: Keys further than ``sliding_window - 1`` positions back are hidden.
+        doc_bounds: ``cu_seq_lens`` as Python ints, read once per forward (not once per layer: on GPU each read
+            is a device-to-host sync).
     """
 
     cu_seq_lens: torch.Tensor | None = None
     max_seq_len: int | None = None
     padding_mask: torch.Tensor | None = None
     sliding_window: int | None = None
+    doc_bounds: list[int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.cu_seq_lens is not None and self.doc_bounds is None:
+            self.doc_bounds = self.cu_seq_lens.tolist()
 
     def with_window(self, sliding_window: int | None) -> AttentionMaskSpec:
         """The same spec for a layer with the given sliding window."""
-        return AttentionMaskSpec(self.cu_seq_lens, self.max_seq_len, self.padding_mask, sliding_window)
+        return replace(self, sliding_window=sliding_window)
 
     def boolean_mask(self, batch: int, seq_len: int, device: torch.device) -> torch.Tensor:
         """``(B, 1, T, T)`` boolean mask, True where attention is allowed (transformers' convention)."""
@@ -160,12 +167,12 @@ def sdpa_attention(
         return eager_attention(q, k, v, mask, scaling, dropout, sinks)
     gqa = q.shape[1] != k.shape[1]
     if mask.sliding_window is None and mask.padding_mask is None:
-        if mask.cu_seq_lens is None or mask.cu_seq_lens.numel() == 2:
+        if mask.doc_bounds is None or len(mask.doc_bounds) == 2:
             out = F.scaled_dot_product_attention(
                 q, k, v, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=gqa
             )
             return out.transpose(1, 2).contiguous()
-        bounds = mask.cu_seq_lens.tolist()
+        bounds = mask.doc_bounds
         outs = [
             F.scaled_dot_product_attention(
                 q[:, :, s:e],
