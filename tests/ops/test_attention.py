@@ -72,10 +72,12 @@ class TestRMSNorm:
         torch.testing.assert_close(rms_norm_fused(x, w, 1e-6), rms_norm_hf(x, w, 1e-6), atol=1e-6, rtol=1e-6)
 
     def test_selector_follows_env(self, monkeypatch):
+        cuda = torch.device("cuda")
         monkeypatch.setenv("XTL_HF_IMPL", "1")
-        assert get_rms_norm_fn() is rms_norm_hf
+        assert get_rms_norm_fn(cuda) is rms_norm_hf
         monkeypatch.setenv("XTL_HF_IMPL", "0")
-        assert get_rms_norm_fn() is rms_norm_fused
+        assert get_rms_norm_fn(cuda) is rms_norm_fused
+        assert get_rms_norm_fn(torch.device("cpu")) is rms_norm_hf
 
 
 @pytest.mark.gpu

@@ -18,7 +18,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Normalize the last dimension of ``x``."""
-        return get_rms_norm_fn()(x, self.weight, self.eps)
+        return get_rms_norm_fn(x.device)(x, self.weight, self.eps)
 
     def reset_parameters(self) -> None:
         """Set the scale to ones."""

@@ -90,7 +90,7 @@ def linear_cross_entropy(
     weight: torch.Tensor,
     targets: torch.Tensor,
     ignore_index: int = IGNORE_INDEX,
-    chunk_bytes: int = 64 * 2**20,
+    chunk_bytes: int = 256 * 2**20,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed cross-entropy of ``hidden @ weight.T`` against ``targets`` without materializing all logits.
 

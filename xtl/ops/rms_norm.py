@@ -12,9 +12,15 @@ from xtl.utils import hf_impl_enabled
 RMSNormFn = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
 
 
-def get_rms_norm_fn() -> RMSNormFn:
-    """Return the RMSNorm op: transformers' exact op order under ``XTL_HF_IMPL``, else the fused torch op."""
-    return rms_norm_hf if hf_impl_enabled() else rms_norm_fused
+def get_rms_norm_fn(device: torch.device | None = None) -> RMSNormFn:
+    """Return the RMSNorm op for inputs on ``device``.
+
+    transformers' exact op order under ``XTL_HF_IMPL`` and off CUDA (on CPU the unfused ops are as fast as
+    ``F.rms_norm``, measured in ``benchmarks/model_step.py``); the fused torch kernel on CUDA.
+    """
+    if hf_impl_enabled() or device is None or device.type != "cuda":
+        return rms_norm_hf
+    return rms_norm_fused
 
 
 def rms_norm_hf(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
