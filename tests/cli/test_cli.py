@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from transformers import AutoModelForCausalLM
 
 from xtl.cli import main
 
@@ -101,6 +103,28 @@ class TestTinyRecipesRun:
         assert (run / "checkpoints" / "last.ckpt").exists()
         assert next(run.glob("logs/version_*/config.yaml")).is_file()
 
+    def test_validate_alone_runs_the_evaluation_callbacks(self, tmp_path, monkeypatch, data_cache):
+        monkeypatch.chdir(tmp_path)
+        common = [
+            "--config",
+            str(ROOT / "configs/tiny_sft.yaml"),
+            "--config",
+            str(ROOT / "callbacks/eval.yaml"),
+            "--trainer.enable_progress_bar",
+            "false",
+            "--data.cache_dir",
+            str(data_cache),
+            "--data.pack_max_length",
+            "128",
+            *SMALL_MODEL,
+        ]
+        assert _run_main(["fit", *common, "--trainer.max_steps", "1"]) == 0
+        ckpt = "runs/tiny_sft/checkpoints/last.ckpt"
+        assert _run_main(["validate", *common, "--ckpt_path", ckpt]) == 0
+        metrics = sorted(Path("runs/tiny_sft/logs").glob("version_*/metrics.csv"))[-1]
+        logged = {k for row in csv.DictReader(metrics.open()) for k, v in row.items() if v}
+        assert {"val/loss", "val/perplexity", "val/token_accuracy", "eval/exact_match"} <= logged
+
 
 @pytest.mark.distributed
 class TestFSDPResume:
@@ -129,6 +153,8 @@ class TestFSDPResume:
             str(ROOT / "configs/tiny_sft.yaml"),
             "--config",
             str(fragment),
+            "--config",
+            str(ROOT / "callbacks/hf_export.yaml"),
             "--trainer.max_steps",
             str(max_steps),
             "--model.init_args.lr_decay_steps",
@@ -158,3 +184,8 @@ class TestFSDPResume:
         resumed = self._fit(tmp_path / "split", data_cache, 10, ckpt="last")
         assert len(full) == 10
         assert [resumed[s] for s in range(5, 10)] == [full[s] for s in range(5, 10)]
+        # rank 0 wrote the HF export from the FSDP shards; it loads in transformers
+        export = tmp_path / "full/runs/tiny_sft/hf/final"
+        model = AutoModelForCausalLM.from_pretrained(export)
+        logits = model(input_ids=torch.arange(12)[None]).logits
+        assert logits.shape == (1, 12, 1600) and torch.isfinite(logits).all()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import warnings
+from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
@@ -158,3 +159,21 @@ class TestMoECausalLM:
     def test_unknown_field_is_named(self):
         with pytest.raises(ValueError, match=r"unknown field\(s\) \['hiden_size'\]"):
             CausalLM(model={"model_type": "qwen3", "hiden_size": 3})
+
+
+class TestAtomicCheckpoint:
+    def test_crash_mid_save_keeps_the_previous_checkpoint(self, tmp_path, monkeypatch):
+        io = AtomicCheckpointIO()
+        path = tmp_path / "last.ckpt"
+        io.save_checkpoint({"step": 1}, path)
+
+        def torn_save(obj, f, *args, **kwargs):
+            Path(f).write_bytes(b"half a checkpoint")
+            raise OSError("killed")
+
+        monkeypatch.setattr(torch, "save", torn_save)
+        with pytest.raises(OSError, match="killed"):
+            io.save_checkpoint({"step": 2}, path)
+        monkeypatch.undo()
+        assert torch.load(path)["step"] == 1
+        assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]
