@@ -78,8 +78,17 @@ def _fsdp_worker(rank: int, world: int, port: int, out_path: str) -> None:
     result = _step(model, batches, world)
     norm = grad_norm_and_clip(list(model.parameters()), None)
     grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
+    # a model initialized after sharding equals the unsharded initialization
+    config, _ = resolve_model_config(MODEL)
+    with torch.device("meta"):
+        sharded = config.build()
+    sharded.fully_shard(init_device_mesh("cpu", (world,)))
+    sharded.materialize("cpu")
+    torch.manual_seed(0)
+    sharded.init_weights()
+    init = {name: p.full_tensor() for name, p in sharded.named_parameters()}
     if rank == 0:
-        torch.save({"grads": grads, "tokens": result.global_tokens, "norm": norm}, out_path)
+        torch.save({"grads": grads, "tokens": result.global_tokens, "norm": norm, "init": init}, out_path)
     dist.destroy_process_group()
 
 
@@ -117,3 +126,5 @@ class TestGradientInvariance:
             torch.testing.assert_close(got["grads"][name], p.grad, **self.TOL, msg=name)
         ref_norm = grad_norm_and_clip(list(reference.parameters()), None)
         torch.testing.assert_close(got["norm"], ref_norm, rtol=1e-5, atol=0)
+        for name, p in _model().named_parameters():
+            assert torch.equal(got["init"][name], p.detach()), f"sharded init differs for {name}"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import zlib
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -304,20 +305,30 @@ class BaseModel(nn.Module):
 
     @torch.no_grad()
     def _init_named(self, names: list[str]) -> None:
+        """Initialize each named tensor from its own seed (base seed x name), on a full CPU copy.
+
+        The values are therefore independent of initialization order and of how parameters are sharded: a model
+        initialized on 1 rank equals the same model initialized under FSDP on N ranks.
+        """
         std = self.config.initializer_range
+        base_seed = torch.initial_seed()
         modules = dict(self.named_modules())
         tensors = self.checkpoint_tensors()
         for name in names:
             module_name, _, attr = name.rpartition(".")
             module, tensor = modules[module_name], tensors[name]
-            if hasattr(module, "init_param"):
-                module.init_param(attr, tensor, std)
-            elif isinstance(module, RMSNorm):
-                tensor.fill_(1.0)
-            elif attr == "bias" or attr.endswith("_bias"):
-                tensor.zero_()
-            else:
-                tensor.normal_(mean=0.0, std=std)
+            full = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed((base_seed + zlib.crc32(name.encode())) % 2**63)
+                if hasattr(module, "init_param"):
+                    module.init_param(attr, full, std)
+                elif isinstance(module, RMSNorm):
+                    full.fill_(1.0)
+                elif attr == "bias" or attr.endswith("_bias"):
+                    full.zero_()
+                else:
+                    full.normal_(mean=0.0, std=std)
+            _copy_into(tensor, full)
 
     def fully_shard(
         self,
