@@ -1,0 +1,48 @@
+"""Parameter groups and learning-rate schedules."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from xtl.train import resolve_model_config
+from xtl.train.optim import lr_lambda, param_groups
+
+from .conftest import TINY_MODEL
+
+
+class TestParamGroups:
+    def test_norms_biases_and_embeddings_are_not_decayed(self):
+        config, _ = resolve_model_config({**TINY_MODEL, "model_type": "qwen2", "head_dim": None})
+        model = config.build()
+        decay, no_decay = param_groups(model, weight_decay=0.1)
+        names = {id(p): n for n, p in model.named_parameters()}
+        undecayed = {names[id(p)] for p in no_decay["params"]}
+        assert no_decay["weight_decay"] == 0.0 and decay["weight_decay"] == 0.1
+        assert "embed_tokens.weight" in undecayed and "norm.weight" in undecayed
+        assert "layers.0.self_attn.q_proj.bias" in undecayed and "layers.0.input_layernorm.weight" in undecayed
+        assert {names[id(p)] for p in decay["params"]} == {n for n, _ in model.named_parameters()} - undecayed
+        assert all("proj.weight" in names[id(p)] for p in decay["params"])
+
+    def test_option_off_decays_everything(self):
+        config, _ = resolve_model_config(TINY_MODEL)
+        groups = param_groups(config.build(), weight_decay=0.1, no_decay_norm_bias_embed=False)
+        assert len(groups) == 1
+
+
+class TestSchedules:
+    def test_warmup_then_cosine_to_min_ratio(self):
+        f = lr_lambda("cosine", warmup_steps=10, total_steps=110, min_lr_ratio=0.1)
+        assert f(0) == pytest.approx(0.1) and f(9) == pytest.approx(1.0)
+        assert f(10) == pytest.approx(1.0)
+        assert f(60) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+        assert f(110) == pytest.approx(0.1) and f(500) == pytest.approx(0.1)
+
+    def test_linear_and_constant(self):
+        assert lr_lambda("linear", 0, 100, 0.0)(50) == pytest.approx(0.5)
+        assert lr_lambda("constant", 5, 100, 0.0)(50) == 1.0
+
+    def test_unknown_schedule(self):
+        with pytest.raises(ValueError, match="unknown lr_schedule"):
+            lr_lambda("exponential", 0, 10, 0.0)
