@@ -13,6 +13,7 @@ Examples::
 from __future__ import annotations
 
 import sys
+import warnings
 
 from lightning.pytorch.cli import LightningCLI
 
@@ -20,6 +21,10 @@ from xtl.data import XTLDataModule
 from xtl.train import LanguageModule
 
 LIGHTNING_SUBCOMMANDS = ("fit", "validate", "test", "predict")
+
+# xtl checkpoints the state after each optimizer step on purpose (one training_step is one optimizer step, and
+# resuming from it is exact); Lightning's advice to save pre-optimization state does not apply.
+warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization")
 
 
 class XTLCLI(LightningCLI):
