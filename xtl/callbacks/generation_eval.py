@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.trainer.states import TrainerFn
 
 from xtl.data.item import DataError
 from xtl.train.generation import greedy_generate
@@ -58,8 +59,10 @@ class GenerationEval(pl.Callback):
             self._evaluate_and_log(trainer, pl_module)
 
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Evaluate with every validation run (not during the sanity check)."""
-        if not trainer.sanity_checking:
+        """Evaluate with every validation run (not during the sanity check, nor when fit already evaluates on its
+        own ``every_n_steps`` schedule)."""
+        fitting_on_schedule = trainer.state.fn == TrainerFn.FITTING and self.every_n_steps > 0
+        if not trainer.sanity_checking and not fitting_on_schedule:
             self._evaluate_and_log(trainer, pl_module)
 
     def evaluate(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> float:
