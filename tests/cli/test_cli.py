@@ -103,6 +103,29 @@ class TestTinyRecipesRun:
         assert (run / "checkpoints" / "last.ckpt").exists()
         assert next(run.glob("logs/version_*/config.yaml")).is_file()
 
+    def test_resume_from_the_saved_config(self, tmp_path, monkeypatch, data_cache):
+        monkeypatch.chdir(tmp_path)
+        args = [
+            "fit",
+            "--config",
+            str(ROOT / "configs/tiny_sft.yaml"),
+            "--trainer.max_steps",
+            "2",
+            "--trainer.enable_progress_bar",
+            "false",
+            "--data.cache_dir",
+            str(data_cache),
+            "--data.pack_max_length",
+            "128",
+            *SMALL_MODEL,
+        ]
+        assert _run_main(args) == 0
+        saved = next(Path("runs/tiny_sft/logs").glob("version_*/config.yaml"))
+        assert _run_main(["fit", "--config", str(saved), "--ckpt_path", "last", "--trainer.max_steps", "3"]) == 0
+        metrics = sorted(Path("runs/tiny_sft/logs").glob("version_*/metrics.csv"))[-1]
+        steps = [int(row["step"]) for row in csv.DictReader(metrics.open()) if row.get("train/loss")]
+        assert steps == [2], "the resumed run continues at step 2 of the saved run"
+
     def test_validate_alone_runs_the_evaluation_callbacks(self, tmp_path, monkeypatch, data_cache):
         monkeypatch.chdir(tmp_path)
         common = [
