@@ -48,8 +48,14 @@ class TestHFConfigRoundTrip:
         assert RopeConfig.from_hf_config(raw) == rope
 
     def test_optional_fields_fall_back_to_defaults(self, tmp_path):
-        raw = {"model_type": "qwen3", "vocab_size": 100, "hidden_size": 32, "intermediate_size": 64,
-               "num_hidden_layers": 2, "num_attention_heads": 4}
+        raw = {
+            "model_type": "qwen3",
+            "vocab_size": 100,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+        }
         (tmp_path / "config.json").write_text(json.dumps(raw))
         cfg = get_model_config_from_hf(tmp_path)
         assert cfg.num_key_value_heads == AutoConfig.from_pretrained(tmp_path).num_key_value_heads
@@ -83,7 +89,11 @@ class TestRegistry:
     def test_published_dimensions(self):
         cfg = get_model_config("llama3.1-8b")
         assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.rope.rope_type) == (
-            4096, 32, 8, "llama3")
+            4096,
+            32,
+            8,
+            "llama3",
+        )
         assert get_model_config("qwen3-0.6b").tie_word_embeddings
         assert get_model_config("qwen2.5-7b").vocab_size == 152064
         assert len(ALIASES) >= 12

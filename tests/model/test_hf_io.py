@@ -157,8 +157,9 @@ class TestLoader:
         with pytest.raises(KeyError, match="not in the checkpoint"):
             HFCheckpointLoader(tiny_hf_dir("qwen3")).load("model.nope")
 
-    @pytest.mark.parametrize(("text", "expected"), [("5GB", 5 * 10**9), ("2MiB", 2 * 2**20), ("1.5KB", 1500),
-                                                     (123, 123), ("77", 77)])
+    @pytest.mark.parametrize(
+        ("text", "expected"), [("5GB", 5 * 10**9), ("2MiB", 2 * 2**20), ("1.5KB", 1500), (123, 123), ("77", 77)]
+    )
     def test_parse_size(self, text, expected):
         assert parse_size(text) == expected
 

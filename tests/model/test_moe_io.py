@@ -171,10 +171,11 @@ class TestRouterBiasHook:
         assert (loads.max() - loads.min()) < spread_before
         assert balance_loss(before["router_prob_sum"], loads, num_tokens) > 0
 
-    def test_bias_stays_fp32_under_dtype_casts(self, tiny_moe_dir):
+    def test_gate_and_bias_stay_fp32_under_dtype_casts(self, tiny_moe_dir):
         model = _load(tiny_moe_dir("deepseek_v3")).to(torch.bfloat16)
         assert model.layers[1].mlp.gate.e_score_correction_bias.dtype == torch.float32
-        assert model.layers[1].mlp.gate.weight.dtype == torch.bfloat16
+        assert model.layers[1].mlp.gate.weight.dtype == torch.float32
+        assert model.layers[1].mlp.experts.gate_up.dtype == torch.bfloat16
 
     def test_wrong_number_of_layers_is_an_error(self, tiny_moe_dir):
         model = _load(tiny_moe_dir("deepseek_v3"))

@@ -97,7 +97,11 @@ def build_tiny_moe(variant: str, dtype: torch.dtype = torch.float32, seed: int =
 def save_tiny_moe(variant: str, dtype: torch.dtype, root: Path) -> Path:
     """Save :func:`build_tiny_moe` under ``root`` once per (variant, dtype); return the directory."""
     path = root / f"{variant}_{str(dtype).split('.')[-1]}"
-    build_tiny_moe(variant, dtype).save_pretrained(path)
+    if dtype == torch.float32:
+        build_tiny_moe(variant, dtype).save_pretrained(path)
+    else:  # as released low-precision checkpoints are made: transformers keeps its fp32-by-design tensors fp32
+        fp32 = save_tiny_moe(variant, torch.float32, root)
+        AutoModelForCausalLM.from_pretrained(fp32, dtype=dtype).save_pretrained(path)
     return path
 
 

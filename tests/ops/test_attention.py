@@ -11,8 +11,11 @@ from xtl.ops.rms_norm import get_rms_norm_fn, rms_norm_fused, rms_norm_hf
 
 def _qkv(batch=1, seq=20, heads=4, kv_heads=2, dim=16, dtype=torch.float32):
     torch.manual_seed(0)
-    return (torch.randn(batch, heads, seq, dim, dtype=dtype), torch.randn(batch, kv_heads, seq, dim, dtype=dtype),
-            torch.randn(batch, kv_heads, seq, dim, dtype=dtype))
+    return (
+        torch.randn(batch, heads, seq, dim, dtype=dtype),
+        torch.randn(batch, kv_heads, seq, dim, dtype=dtype),
+        torch.randn(batch, kv_heads, seq, dim, dtype=dtype),
+    )
 
 
 def _reference(q, k, v, allowed, scale):
@@ -27,8 +30,9 @@ SPECS = {
     "causal": AttentionMaskSpec(),
     "packed": AttentionMaskSpec(cu_seq_lens=torch.tensor([0, 6, 15, 20], dtype=torch.int32), max_seq_len=9),
     "sliding": AttentionMaskSpec(sliding_window=4),
-    "packed_sliding": AttentionMaskSpec(cu_seq_lens=torch.tensor([0, 11, 20], dtype=torch.int32), max_seq_len=11,
-                                        sliding_window=3),
+    "packed_sliding": AttentionMaskSpec(
+        cu_seq_lens=torch.tensor([0, 11, 20], dtype=torch.int32), max_seq_len=11, sliding_window=3
+    ),
 }
 
 
@@ -89,5 +93,6 @@ class TestFlashAttention:
 
         q, k, v = (t.cuda().bfloat16() for t in _qkv(seq=20))
         mask = SPECS["packed"]
-        torch.testing.assert_close(flash_attention(q, k, v, mask, 0.25), sdpa_attention(q, k, v, mask, 0.25),
-                                   atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(
+            flash_attention(q, k, v, mask, 0.25), sdpa_attention(q, k, v, mask, 0.25), atol=2e-2, rtol=2e-2
+        )

@@ -32,7 +32,6 @@ from xtl.utils import resolve_path
 log = logging.getLogger(__name__)
 
 
-
 @dataclass
 class PackedSplit:
     """A tokenized, mixed and packed dataset with its plan (one for training, one per validation set)."""

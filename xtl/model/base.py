@@ -256,18 +256,22 @@ class BaseModel(nn.Module):
             out_dir: Target directory (replaced if it exists).
             max_shard_size: Upper bound per shard, e.g. ``"5GB"``.
             dtype: Cast floating-point tensors to this dtype (default: the config's ``dtype`` -- the source
-                checkpoint's -- if set, else the parameter dtypes).
+                checkpoint's -- if set, else the parameter dtypes). Tensors a module declares in its ``keep_fp32``
+                attribute are always written in fp32.
         """
         if dtype is None and self.config.dtype is not None:
             dtype = getattr(torch, self.config.dtype)
         is_writer = not dist.is_initialized() or dist.get_rank() == 0
         with atomic_directory(out_dir) if is_writer else nullcontext(None) as tmp:
             writer = ShardWriter(tmp, max_shard_size) if is_writer else None
+            keep_fp32 = self._keep_fp32_names()
             for name, tensor in self.checkpoint_tensors().items():
                 full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach()
                 if not is_writer:
                     continue
-                if dtype is not None and full.is_floating_point():
+                if name in keep_fp32:
+                    full = full.float()
+                elif dtype is not None and full.is_floating_point():
                     full = full.to(dtype)
                 for key, part in zip(self.hf_keys(name), self.param_to_hf(name, full)):
                     writer.add(key, part)
@@ -276,6 +280,14 @@ class BaseModel(nn.Module):
                 self._write_side_files(tmp, dtype)
         if dist.is_initialized():
             dist.barrier()
+
+    def _keep_fp32_names(self) -> set[str]:
+        """Checkpoint names that modules declare fp32 whatever the model dtype (``keep_fp32`` attribute names)."""
+        return {
+            f"{prefix}.{attr}" if prefix else attr
+            for prefix, module in self.named_modules()
+            for attr in getattr(module, "keep_fp32", ())
+        }
 
     def _write_side_files(self, out_dir: Path, dtype: torch.dtype | None) -> None:
         hf_config = self.config.hf_config

@@ -123,7 +123,8 @@ class NoAuxTopKRouter(Router):
     optionally renormalized (``+1e-20``), times ``routed_scaling_factor``. ``probs`` (for a balance loss) are the
     sigmoid scores normalized per token.
 
-    The ``e_score_correction_bias`` buffer stays fp32 whatever the module dtype.
+    The gate ``weight`` and the ``e_score_correction_bias`` buffer stay fp32 whatever the module dtype, as in the
+    released checkpoints (transformers keeps both in fp32 strictly); ``save_hf`` writes them as fp32.
 
     Args:
         hidden_size: Model width.
@@ -155,6 +156,8 @@ class NoAuxTopKRouter(Router):
         self.norm_topk_prob = norm_topk_prob
         self.routed_scaling_factor = routed_scaling_factor
         self.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32))
+
+    keep_fp32 = ("weight", "e_score_correction_bias")
 
     def forward(self, hidden_states: torch.Tensor) -> RouterOutput:
         """Route ``(N, C)`` hidden states."""
@@ -191,9 +194,15 @@ class NoAuxTopKRouter(Router):
         self.e_score_correction_bias.add_(lr * torch.sign(load.mean() - load))
 
     def _apply(self, fn, recurse: bool = True):  # noqa: ANN001, ANN202 - nn.Module signature
-        bias = self.e_score_correction_bias
+        # copies: _apply may swap the data of the very same Parameter object in place
+        kept = {name: getattr(self, name).detach().clone() for name in self.keep_fp32}
         super()._apply(fn, recurse)
-        new = self.e_score_correction_bias
-        if new.dtype != torch.float32:  # a dtype cast of the module: keep the fp32 bias (no round trip)
-            self.e_score_correction_bias = bias.to(device=new.device, dtype=torch.float32)
+        for name, before in kept.items():  # a dtype cast of the module: keep these fp32 (no lossy round trip)
+            new = getattr(self, name)
+            if new.dtype != torch.float32:
+                restored = before.to(device=new.device, dtype=torch.float32)
+                if isinstance(new, nn.Parameter):
+                    self._parameters[name] = nn.Parameter(restored, requires_grad=new.requires_grad)
+                else:
+                    self._buffers[name] = restored
         return self
