@@ -29,6 +29,22 @@ SMALL_MODEL = [
 ]
 
 
+def _tiny_args(config: Path, data_cache: Path, *extra: str) -> list[str]:
+    """Arguments that run a tiny recipe quickly: small model, short packs, shared tokenization cache."""
+    return [
+        "--config",
+        str(config),
+        *extra,
+        "--trainer.enable_progress_bar",
+        "false",
+        "--data.cache_dir",
+        str(data_cache),
+        "--data.pack_max_length",
+        "128",
+        *SMALL_MODEL,
+    ]
+
+
 def _run_main(args: list[str]) -> int:
     try:
         return main(args)
@@ -79,20 +95,7 @@ class TestTinyRecipesRun:
     @pytest.mark.parametrize("recipe", ["tiny_sft.yaml", "tiny_pretrain.yaml", "tiny_moe_sft.yaml"])
     def test_a_few_steps(self, recipe, tmp_path, monkeypatch, data_cache):
         monkeypatch.chdir(tmp_path)
-        args = [
-            "fit",
-            "--config",
-            str(ROOT / "configs" / recipe),
-            "--trainer.max_steps",
-            "2",
-            "--trainer.enable_progress_bar",
-            "false",
-            "--data.cache_dir",
-            str(data_cache),
-            "--data.pack_max_length",
-            "128",
-            *SMALL_MODEL,
-        ]
+        args = ["fit", *_tiny_args(ROOT / "configs" / recipe, data_cache), "--trainer.max_steps", "2"]
         if recipe != "tiny_pretrain.yaml":
             args += ["--trainer.val_check_interval", "2"]
         assert _run_main(args) == 0
@@ -105,20 +108,7 @@ class TestTinyRecipesRun:
 
     def test_resume_from_the_saved_config(self, tmp_path, monkeypatch, data_cache):
         monkeypatch.chdir(tmp_path)
-        args = [
-            "fit",
-            "--config",
-            str(ROOT / "configs/tiny_sft.yaml"),
-            "--trainer.max_steps",
-            "2",
-            "--trainer.enable_progress_bar",
-            "false",
-            "--data.cache_dir",
-            str(data_cache),
-            "--data.pack_max_length",
-            "128",
-            *SMALL_MODEL,
-        ]
+        args = ["fit", *_tiny_args(ROOT / "configs/tiny_sft.yaml", data_cache), "--trainer.max_steps", "2"]
         assert _run_main(args) == 0
         saved = next(Path("runs/tiny_sft/logs").glob("version_*/config.yaml"))
         assert _run_main(["fit", "--config", str(saved), "--ckpt_path", "last", "--trainer.max_steps", "3"]) == 0
@@ -128,19 +118,7 @@ class TestTinyRecipesRun:
 
     def test_validate_alone_runs_the_evaluation_callbacks(self, tmp_path, monkeypatch, data_cache):
         monkeypatch.chdir(tmp_path)
-        common = [
-            "--config",
-            str(ROOT / "configs/tiny_sft.yaml"),
-            "--config",
-            str(ROOT / "callbacks/eval.yaml"),
-            "--trainer.enable_progress_bar",
-            "false",
-            "--data.cache_dir",
-            str(data_cache),
-            "--data.pack_max_length",
-            "128",
-            *SMALL_MODEL,
-        ]
+        common = _tiny_args(ROOT / "configs/tiny_sft.yaml", data_cache, "--config", str(ROOT / "callbacks/eval.yaml"))
         assert _run_main(["fit", *common, "--trainer.max_steps", "1"]) == 0
         ckpt = "runs/tiny_sft/checkpoints/last.ckpt"
         assert _run_main(["validate", *common, "--ckpt_path", ckpt]) == 0

@@ -8,7 +8,9 @@ from transformers import AutoModelForCausalLM
 from transformers.masking_utils import create_causal_mask
 
 from xtl.model import get_model_config_from_hf
-from xtl.ops import AttentionMaskSpec, causal_lm_loss, shift_labels
+from xtl.ops import AttentionMaskSpec
+
+from .parity import assert_head_loss_and_input_grad_equal
 
 VARIANTS = [
     "llama",
@@ -68,12 +70,7 @@ class TestDecoderLayerParity:
         out_xtl = model.layers[layer_idx](x_xtl, model.rotary_emb(position_ids, dtype), AttentionMaskSpec())
         assert torch.equal(out_hf, out_xtl)
 
-        loss_hf = hf.loss_function(hf.lm_head(hf.model.norm(out_hf)), labels, hf.config.vocab_size)
-        loss_xtl, _, _ = causal_lm_loss(model.lm_head(model.norm(out_xtl)), shift_labels(labels))
-        assert torch.equal(loss_hf, loss_xtl)
-        loss_hf.backward()
-        loss_xtl.backward()
-        assert torch.equal(x_hf.grad, x_xtl.grad)
+        assert_head_loss_and_input_grad_equal(hf, model, out_hf, out_xtl, x_hf, x_xtl, labels)
 
 
 @pytest.mark.usefixtures("hf_impl")
