@@ -7,9 +7,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from xtl.batch import SequenceContext
 from xtl.data.item import IGNORE_INDEX
 from xtl.data.packing import Pack
-from xtl.model.sequence import SequenceContext
 
 
 @dataclass

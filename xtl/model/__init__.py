@@ -1,11 +1,16 @@
-"""The model seam: configs, model bodies, HF checkpoint I/O and the registry."""
+"""The model seam: configs, model bodies, HF checkpoint I/O and the registry.
 
+The families (``xtl.model.dense``, ``xtl.model.moe``) are imported on first use of one of their names or of the
+registry, so importing ``xtl.model`` (or ``xtl.batch``) does not load every model and transformers' modeling code.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from xtl.batch import ModelOutput, SequenceContext
 from xtl.model.base import BaseModel, CheckpointMismatchError, TransformerConfig
-from xtl.model.dense import *  # noqa: F403
-from xtl.model.dense import __all__ as _dense_all
-from xtl.model.moe import *  # noqa: F403
-from xtl.model.moe import __all__ as _moe_all
-from xtl.model.output import ModelOutput
 from xtl.model.registry import (
     ALIASES,
     MODEL_TYPES,
@@ -16,7 +21,18 @@ from xtl.model.registry import (
     register_display_alias,
     register_model_type,
 )
-from xtl.model.sequence import SequenceContext
+
+_FAMILIES = ("xtl.model.dense", "xtl.model.moe")
+
+
+def __getattr__(name: str) -> Any:
+    """Resolve a family's public name (e.g. ``Qwen3DenseConfig``) by importing the family on first use."""
+    for family in _FAMILIES:
+        module = importlib.import_module(family)
+        if name in module.__all__:
+            return getattr(module, name)
+    raise AttributeError(f"module 'xtl.model' has no attribute {name!r}")
+
 
 __all__ = [
     "ALIASES",
@@ -32,6 +48,4 @@ __all__ = [
     "register_alias",
     "register_display_alias",
     "register_model_type",
-    *_dense_all,
-    *_moe_all,
 ]

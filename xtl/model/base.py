@@ -17,10 +17,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 from transformers import GenerationConfig, PretrainedConfig
 
+from xtl.batch import ModelOutput, SequenceContext
 from xtl.model.hf.loader import HFCheckpointLoader
 from xtl.model.hf.saver import ShardWriter, copy_side_files
-from xtl.model.output import ModelOutput
-from xtl.model.sequence import SequenceContext
 from xtl.module.norm import RMSNorm
 from xtl.module.rope import RopeConfig
 from xtl.utils import atomic_directory

@@ -2,23 +2,44 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 from xtl.model.base import TransformerConfig, read_hf_config_dict
 
-MODEL_TYPES: dict[str, type[TransformerConfig]] = {}
-ALIASES: dict[str, type[TransformerConfig]] = {}
+
+class _Registry(Mapping):
+    """A name -> config class table that imports the built-in families on first read (not at import time)."""
+
+    def __init__(self) -> None:
+        self._entries: dict[str, type[TransformerConfig]] = {}
+
+    def __getitem__(self, key: str) -> type[TransformerConfig]:
+        _ensure_builtin()
+        return self._entries[key]
+
+    def __iter__(self) -> Iterator[str]:
+        _ensure_builtin()
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        _ensure_builtin()
+        return len(self._entries)
+
+
+MODEL_TYPES: Mapping[str, type[TransformerConfig]] = _Registry()
+ALIASES: Mapping[str, type[TransformerConfig]] = _Registry()
 
 
 def register_model_type(config_cls: type[TransformerConfig]) -> type[TransformerConfig]:
     """Register a family config under its transformers ``model_type`` (usable as a class decorator)."""
-    MODEL_TYPES[config_cls.hf_config_class.model_type] = config_cls
+    MODEL_TYPES._entries[config_cls.hf_config_class.model_type] = config_cls
     return config_cls
 
 
 def register_alias(alias: str, config_cls: type[TransformerConfig]) -> None:
     """Register a size-specific config under ``alias`` (case, ``-`` and ``_`` are ignored on lookup)."""
-    ALIASES[normalize_alias(alias)] = config_cls
+    ALIASES._entries[normalize_alias(alias)] = config_cls
 
 
 def normalize_alias(alias: str) -> str:
@@ -28,6 +49,7 @@ def normalize_alias(alias: str) -> str:
 
 def alias_names() -> dict[str, type[TransformerConfig]]:
     """Display name -> config class for every registered alias (display names as registered)."""
+    _ensure_builtin()
     return dict(_DISPLAY_NAMES)
 
 
@@ -37,6 +59,7 @@ def get_model_config(alias: str) -> TransformerConfig:
     Raises:
         KeyError: Unknown alias (the message lists the known ones).
     """
+    _ensure_builtin()
     key = normalize_alias(alias)
     if key not in ALIASES:
         known = ", ".join(sorted(_DISPLAY_NAMES))
@@ -60,6 +83,15 @@ def get_model_config_from_hf(hf_path: str | Path) -> TransformerConfig:
 
 
 _DISPLAY_NAMES: dict[str, type[TransformerConfig]] = {}
+_BUILTIN_LOADED = False
+
+
+def _ensure_builtin() -> None:
+    """Register the built-in families once, on first use (importing them loads transformers' modeling code)."""
+    global _BUILTIN_LOADED
+    if not _BUILTIN_LOADED:
+        _BUILTIN_LOADED = True
+        _register_builtin()
 
 
 def _register_builtin() -> None:
@@ -104,6 +136,3 @@ def register_display_alias(name: str, config_cls: type[TransformerConfig]) -> No
     """Register ``name`` as an alias and as the display name listed in docs and error messages."""
     register_alias(name, config_cls)
     _DISPLAY_NAMES[name] = config_cls
-
-
-_register_builtin()

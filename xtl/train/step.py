@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from xtl.model.output import ModelOutput
+from xtl.batch import ModelOutput
 
 
 @dataclass

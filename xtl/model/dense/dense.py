@@ -7,9 +7,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from xtl.batch import ModelOutput, SequenceContext
 from xtl.model.base import BaseModel
-from xtl.model.output import ModelOutput
-from xtl.model.sequence import SequenceContext
 from xtl.module.attention import MultiHeadAttention
 from xtl.module.decoder_layer import DecoderLayer
 from xtl.module.mlp import GatedMLP

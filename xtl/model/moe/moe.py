@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from xtl.batch import SequenceContext
 from xtl.model.dense.dense import Dense
-from xtl.model.sequence import SequenceContext
 from xtl.module.decoder_layer import DecoderLayer
 from xtl.module.mlp import GatedMLP
 from xtl.module.moe_block import MoEBlock, MoEDecoderLayer

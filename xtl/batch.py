@@ -1,4 +1,8 @@
-"""Packed-batch description shared by the data and model seams."""
+"""The batch contract shared by the data and model seams: the packed batch and the model output.
+
+Both seams import this module; it imports nothing from either (only torch), so the data pipeline never loads
+model code.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
+
+__all__ = ["ModelOutput", "SequenceContext"]
 
 
 @dataclass
@@ -114,3 +120,24 @@ class SequenceContext:
         doc = self.document_ids()
         seq = torch.arange(doc.numel(), device=doc.device)
         return (doc[:, None] == doc[None, :]) & (seq[None, :] <= seq[:, None])
+
+
+@dataclass
+class ModelOutput:
+    """Result of a model forward.
+
+    Attributes:
+        loss: Mean cross-entropy over supervised tokens (``None`` without labels).
+        loss_sum: Sum of per-token cross-entropy (for global-token normalization across ranks/micro-batches).
+        num_tokens: Number of supervised tokens (labels != -100) in this forward.
+        logits: Vocabulary logits, if requested.
+        hidden_states: Final hidden states (after the last norm), if requested.
+        extras: Family extras (router losses, tokens per expert, ...).
+    """
+
+    loss: torch.Tensor | None = None
+    loss_sum: torch.Tensor | None = None
+    num_tokens: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    hidden_states: torch.Tensor | None = None
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
