@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from xtl.utils import TINY_ASSETS_DIR, atomic_directory, hf_impl, hf_impl_enabled, resolve_path
+from xtl.ops import hf_impl, hf_impl_enabled
+from xtl.utils import TINY_ASSETS_DIR, atomic_directory, resolve_path
 
 
 class TestResolvePath:

@@ -9,7 +9,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-_TRUE = {"1", "true", "yes", "on"}
 TINY_ASSETS_DIR = Path(__file__).resolve().parent / "assets" / "tiny"
 TINY_PREFIX = "tiny:"
 ENV_PREFIX = "env:"
@@ -33,28 +32,6 @@ def resolve_path(value: str) -> str:
     if value.startswith(TINY_PREFIX):
         return str(TINY_ASSETS_DIR / value[len(TINY_PREFIX) :])
     return str(Path(value).expanduser()) if value.startswith("~") else value
-
-
-def hf_impl_enabled() -> bool:
-    """Whether op selectors must return the op that is bitwise equal to transformers' eager path.
-
-    Read live from the ``XTL_HF_IMPL`` environment variable so a test can toggle it per model instance.
-    """
-    return os.environ.get("XTL_HF_IMPL", "0").strip().lower() in _TRUE
-
-
-@contextmanager
-def hf_impl(enabled: bool = True) -> Iterator[None]:
-    """Temporarily set ``XTL_HF_IMPL`` (restores the previous value on exit)."""
-    previous = os.environ.get("XTL_HF_IMPL")
-    os.environ["XTL_HF_IMPL"] = "1" if enabled else "0"
-    try:
-        yield
-    finally:
-        if previous is None:
-            os.environ.pop("XTL_HF_IMPL", None)
-        else:
-            os.environ["XTL_HF_IMPL"] = previous
 
 
 @contextmanager

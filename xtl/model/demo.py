@@ -14,7 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from xtl.model import SequenceContext, get_model_config_from_hf
-from xtl.utils import hf_impl
+from xtl.ops import hf_impl
 
 
 def main() -> None:

@@ -2,7 +2,8 @@
 
 A dispatcher turns routed tokens into rows grouped by (local) expert for the grouped GEMM, and turns the
 expert outputs back into one weighted sum per token. :class:`LocalDispatcher` is the single-rank implementation;
-an expert-parallel dispatcher (all-to-all over the expert mesh axis) implements the same two methods.
+an expert-parallel dispatcher (all-to-all over the expert mesh axis) implements the same two methods and reuses
+the gather and combine ops of :mod:`xtl.ops.moe_dispatch` around its exchange.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from xtl.utils import hf_impl_enabled
+from xtl.ops.moe_dispatch import get_moe_combine_fn, get_moe_gather_fn
 
 
 @dataclass
@@ -56,9 +57,10 @@ class MoEDispatcher(ABC):
 class LocalDispatcher(MoEDispatcher):
     """All experts on this rank. Rows are ordered by expert, then top-k slot, then token (transformers' order).
 
-    ``combine`` multiplies each row by its weight, casts to the rows' dtype and sums the k rows of a token in fp32
-    (one deterministic reduction). Under ``XTL_HF_IMPL`` it instead gathers per expert and adds the k weighted rows
-    in ascending expert order in the model dtype, which is transformers' eager expert loop, forward and backward.
+    Rows are gathered by :func:`xtl.ops.get_moe_gather_fn` and combined by :func:`xtl.ops.get_moe_combine_fn`:
+    by default each row is weighted and the k rows of a token are summed in fp32 (one deterministic reduction);
+    the HF-parity selectors gather per expert and add the k weighted rows in ascending expert order in the model
+    dtype, which is transformers' eager expert loop, forward and backward.
     """
 
     def dispatch(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> Dispatched:
@@ -68,31 +70,11 @@ class LocalDispatcher(MoEDispatcher):
         order = torch.argsort(flat_ids, stable=True)
         token_idx = order % num_tokens
         tokens_per_expert = torch.bincount(flat_ids, minlength=self.num_experts)
-        if hf_impl_enabled():
-            bounds = [0, *torch.cumsum(tokens_per_expert, 0).tolist()]
-            parts = [hidden_states[token_idx[s:e]] for s, e in zip(bounds[:-1], bounds[1:]) if e > s]
-            rows = torch.cat(parts) if len(parts) > 1 else (parts[0] if parts else hidden_states[token_idx])
-        else:
-            rows = hidden_states[token_idx]
+        rows = get_moe_gather_fn()(hidden_states, token_idx, tokens_per_expert)
         weights = topk_weights.t().reshape(-1)[order]
         return Dispatched(rows, tokens_per_expert, weights, order, topk_ids)
 
     def combine(self, expert_out: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
         """Weighted sum per token ``(N, C)`` of the expert outputs ``(M, C)``."""
-        num_tokens, top_k = dispatched.topk_ids.shape
-        hf = hf_impl_enabled()
-        if hf:
-            weighted = (expert_out * dispatched.row_weights[:, None]).to(expert_out.dtype)
-        else:
-            weighted = expert_out.float() * dispatched.row_weights[:, None].float()
-        slots = torch.empty_like(weighted)
-        slots[dispatched.row_order] = weighted
-        slots = slots.view(top_k, num_tokens, -1)
-        if not hf:
-            return slots.sum(0).to(expert_out.dtype)
-        rank = dispatched.topk_ids.argsort(dim=1, stable=True)
-        tokens = torch.arange(num_tokens, device=expert_out.device)
-        out = torch.zeros(num_tokens, expert_out.shape[-1], dtype=expert_out.dtype, device=expert_out.device)
-        for j in range(top_k):
-            out = out + slots[rank[:, j], tokens]
-        return out
+        combine = get_moe_combine_fn()
+        return combine(expert_out, dispatched.row_weights, dispatched.row_order, dispatched.topk_ids)

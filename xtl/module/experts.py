@@ -7,12 +7,21 @@ Layout of every family: ``gate_up`` ``(E, 2I, C)`` = the gate rows then the up r
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
+from xtl.ops.expert_layout import deinterleave_gate_up, get_gate_up_layout, interleave_gate_up, split_concat
 from xtl.ops.grouped_gemm import get_grouped_gemm_fn
-from xtl.utils import hf_impl_enabled
+
+__all__ = [
+    "ClampedSwiGLUExperts",
+    "GroupedExperts",
+    "deinterleave_gate_up",
+    "interleave_gate_up",
+]
 
 
 class GroupedExperts(nn.Module):
@@ -60,9 +69,9 @@ class ClampedSwiGLUExperts(GroupedExperts):
     ``gate`` is clamped above at ``limit``, ``up`` to ``[-limit, limit]``. Biases: ``gate_up_bias`` ``(E, 2I)``
     (gate then up), ``down_bias`` ``(E, C)``.
 
-    Under ``XTL_HF_IMPL`` the weights are presented to the per-expert loop in transformers' own layout
-    (``(E, C, 2I)`` with gate/up interleaved, ``(E, I, C)``), as contiguous copies, so each matmul is the very
-    BLAS call transformers makes.
+    The weights reach the grouped GEMM in the layout :func:`xtl.ops.get_gate_up_layout` selects: views of the
+    stored parameters, or (for the HF-parity selectors) transformers' own layout (``(E, C, 2I)`` with gate/up
+    interleaved, ``(E, I, C)``) as contiguous copies, so each matmul is the very BLAS call transformers makes.
 
     Args:
         num_experts: Experts held by this module.
@@ -92,34 +101,19 @@ class ClampedSwiGLUExperts(GroupedExperts):
         """Run rows ``(M, C)`` grouped by expert; returns ``(M, C)``."""
         gemm = get_grouped_gemm_fn(self.gemm_impl)
         counts = tokens_per_expert.to(hidden_states.device)
-        interleaved = hf_impl_enabled()
-        if interleaved:
-            w1 = interleave_gate_up(self.gate_up, dim=1).transpose(1, 2).contiguous()
-            b1 = interleave_gate_up(self.gate_up_bias, dim=1)
-            w2 = self.down.transpose(1, 2).contiguous()
-        else:
-            w1, b1, w2 = self.gate_up.transpose(1, 2), self.gate_up_bias, self.down.transpose(1, 2)
+        layout = get_gate_up_layout()
+        w1, b1, w2 = layout.operands(self.gate_up, self.gate_up_bias, self.down)
         gate_up = gemm(hidden_states, w1, counts) + torch.repeat_interleave(b1, counts, dim=0)
-        out = gemm(self.clamped_swiglu(gate_up, interleaved), w2, counts)
+        out = gemm(self.clamped_swiglu(gate_up, layout.split), w2, counts)
         return out + torch.repeat_interleave(self.down_bias, counts, dim=0)
 
-    def clamped_swiglu(self, gate_up: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
-        """The clamped SwiGLU of ``(M, 2I)`` gate/up columns (concatenated, or interleaved as transformers)."""
-        gate, up = (gate_up[..., ::2], gate_up[..., 1::2]) if interleaved else gate_up.chunk(2, dim=-1)
+    def clamped_swiglu(
+        self,
+        gate_up: torch.Tensor,
+        split: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] = split_concat,
+    ) -> torch.Tensor:
+        """The clamped SwiGLU of ``(M, 2I)`` gate/up columns, split into gate and up by ``split``."""
+        gate, up = split(gate_up)
         gate = gate.clamp(min=None, max=self.limit)
         up = up.clamp(min=-self.limit, max=self.limit)
         return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
-
-
-def interleave_gate_up(tensor: torch.Tensor, dim: int) -> torch.Tensor:
-    """``[g0..gI-1, u0..uI-1]`` -> ``[g0, u0, g1, u1, ...]`` along ``dim``."""
-    gate, up = tensor.chunk(2, dim=dim)
-    return torch.stack((gate, up), dim=dim + 1).flatten(dim, dim + 1)
-
-
-def deinterleave_gate_up(tensor: torch.Tensor, dim: int) -> torch.Tensor:
-    """Inverse of :func:`interleave_gate_up`."""
-    index = [slice(None)] * tensor.dim()
-    gate_index, up_index = list(index), list(index)
-    gate_index[dim], up_index[dim] = slice(0, None, 2), slice(1, None, 2)
-    return torch.cat((tensor[tuple(gate_index)], tensor[tuple(up_index)]), dim=dim)

@@ -1,7 +1,8 @@
 """MoE routers: which experts each token goes to, and with which combine weights.
 
-Every router maps hidden states ``(N, C)`` to a :class:`RouterOutput`. Routing math runs in fp32; under
-``XTL_HF_IMPL`` a router whose transformers counterpart computes in the model dtype does the same.
+Every router maps hidden states ``(N, C)`` to a :class:`RouterOutput`. Routing math runs in fp32; a router whose
+transformers counterpart computes in the model dtype takes its gate op from :func:`xtl.ops.get_router_logits_fn`,
+so the HF-parity selectors make it compute in the model dtype as well.
 
 - :class:`SoftmaxTopKRouter`: softmax over all experts, top-k, optional renormalization (Qwen3-MoE).
 - :class:`NoAuxTopKRouter`: sigmoid scores, aux-loss-free correction bias, group-limited top-k, scaling
@@ -17,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from xtl.utils import hf_impl_enabled
+from xtl.ops.moe_routing import get_router_logits_fn, router_logits_fp32
 
 
 @dataclass
@@ -25,7 +26,8 @@ class RouterOutput:
     """Result of one router call over N tokens and E experts.
 
     Attributes:
-        logits: ``(N, E)`` raw router logits (fp32; the model dtype under ``XTL_HF_IMPL`` where transformers does so).
+        logits: ``(N, E)`` raw router logits (fp32; the model dtype where transformers computes them so and the
+            HF-parity selectors are on).
         probs: ``(N, E)`` fp32 per-expert probabilities (rows sum to 1), used by the load-balancing loss.
         topk_ids: ``(N, k)`` int64 selected experts (distinct per token).
         topk_weights: ``(N, k)`` combine weights of the selected experts.
@@ -62,12 +64,11 @@ class Router(nn.Module):
 
     def fp32_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Gate logits computed in fp32."""
-        bias = None if self.bias is None else self.bias.float()
-        return F.linear(hidden_states.float(), self.weight.float(), bias)
+        return router_logits_fp32(hidden_states, self.weight, self.bias)
 
-    def native_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Gate logits in the dtype of the hidden states (transformers' op for Qwen3-MoE and GPT-OSS)."""
-        return F.linear(hidden_states, self.weight, self.bias)
+    def selected_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Gate logits through :func:`xtl.ops.get_router_logits_fn` (fp32, or the model dtype as transformers)."""
+        return get_router_logits_fn()(hidden_states, self.weight, self.bias)
 
 
 class SoftmaxTopKRouter(Router):
@@ -86,14 +87,12 @@ class SoftmaxTopKRouter(Router):
 
     def forward(self, hidden_states: torch.Tensor) -> RouterOutput:
         """Route ``(N, C)`` hidden states."""
-        hf = hf_impl_enabled()
-        logits = self.native_logits(hidden_states) if hf else self.fp32_logits(hidden_states)
+        logits = self.selected_logits(hidden_states)
         probs = F.softmax(logits, dtype=torch.float, dim=-1)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        if hf:
-            weights = weights.to(logits.dtype)
+        weights = weights.to(logits.dtype)  # as transformers; a no-op for fp32 logits
         return RouterOutput(logits=logits, probs=probs, topk_ids=ids, topk_weights=weights)
 
 
@@ -108,7 +107,7 @@ class TopKSoftmaxRouter(Router):
 
     def forward(self, hidden_states: torch.Tensor) -> RouterOutput:
         """Route ``(N, C)`` hidden states."""
-        logits = self.native_logits(hidden_states) if hf_impl_enabled() else self.fp32_logits(hidden_states)
+        logits = self.selected_logits(hidden_states)
         top_values, ids = torch.topk(logits, self.top_k, dim=-1)
         weights = F.softmax(top_values, dim=1, dtype=top_values.dtype)
         probs = F.softmax(logits, dim=-1, dtype=torch.float)

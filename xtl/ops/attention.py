@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from xtl.utils import hf_impl_enabled
+from xtl.ops.selector import hf_impl_enabled
 
 ATTN_IMPLS = ("auto", "eager", "sdpa", "flash")
 

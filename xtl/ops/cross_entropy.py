@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from xtl.utils import hf_impl_enabled
+from xtl.ops.selector import hf_impl_enabled
 
 IGNORE_INDEX = -100
 

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 
-from xtl.utils import hf_impl_enabled
+from xtl.ops.selector import hf_impl_enabled
 
 GROUPED_GEMM_IMPLS = ("auto", "loop", "torch", "triton")
 

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from xtl.utils import hf_impl_enabled
+from xtl.ops.selector import hf_impl_enabled
 
 
 def get_fp32_scale_rms_norm_fn() -> Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]:
