@@ -12,7 +12,14 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from xtl.model import CheckpointMismatchError, get_model_config_from_hf
-from xtl.model.hf import HFCheckpointLoader, ShardWriter, parse_size
+from xtl.model.hf import (
+    DEFAULT_MAX_SHARD_SIZE,
+    CheckpointFormatError,
+    CheckpointReader,
+    ShardSizeError,
+    ShardWriter,
+    parse_size,
+)
 
 
 def _load(path, device_meta=True):
@@ -27,8 +34,8 @@ def _load(path, device_meta=True):
 
 
 def _all_tensors(path):
-    loader = HFCheckpointLoader(path)
-    return {k: loader.load(k) for k in loader.keys()}
+    reader = CheckpointReader(path)
+    return {k: reader.load(k) for k in reader.keys()}
 
 
 class TestSaveHFRoundTrip:
@@ -133,39 +140,90 @@ class TestFromHF:
             model.from_hf(tmp_path, strict=False)
 
 
-class TestLoader:
+class TestCheckpointReader:
     def test_reads_only_requested_keys_lazily(self, tiny_hf_dir):
-        loader = HFCheckpointLoader(tiny_hf_dir("qwen3"))
-        assert loader._handles == {}, "constructing the loader must not open shards"
-        assert loader.shape("model.norm.weight") == (64,)
-        loader.load("model.norm.weight")
-        assert list(loader._handles) == ["model.safetensors"]
+        reader = CheckpointReader(tiny_hf_dir("qwen3"))
+        assert reader._handles == {}, "constructing the reader must not open shards for reading"
+        assert reader.shape("model.norm.weight") == (64,)
+        assert reader.info("model.norm.weight") == ("F32", (64,))
+        assert reader._handles == {}, "shapes and dtypes come from the headers"
+        reader.load("model.norm.weight")
+        assert list(reader._handles) == ["model.safetensors"]
+        reader.close()
+        assert reader._handles == {}
 
     def test_missing_directory_and_files(self, tmp_path):
         with pytest.raises(FileNotFoundError, match="does not exist"):
-            HFCheckpointLoader(tmp_path / "nope")
+            CheckpointReader(tmp_path / "nope")
         with pytest.raises(FileNotFoundError, match="neither model.safetensors.index.json nor model.safetensors"):
-            HFCheckpointLoader(tmp_path)
+            CheckpointReader(tmp_path)
 
     def test_missing_shard_is_named(self, tmp_path):
         index = {"metadata": {}, "weight_map": {"a": "model-00001-of-00002.safetensors"}}
         (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
         with pytest.raises(FileNotFoundError, match="shard model-00001-of-00002.safetensors"):
-            HFCheckpointLoader(tmp_path)
+            CheckpointReader(tmp_path)
+
+    def test_index_is_checked_against_shard_headers(self, tiny_hf_dir, tmp_path):
+        shutil.copy(tiny_hf_dir("qwen3") / "model.safetensors", tmp_path / "model.safetensors")
+        keys = CheckpointReader(tmp_path).keys()
+        index = {"weight_map": dict.fromkeys([*keys, "model.ghost.weight"], "model.safetensors")}
+        (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+        with pytest.raises(CheckpointFormatError, match="1 tensor.* not found in model.safetensors.*model.ghost"):
+            CheckpointReader(tmp_path)
+        index = {"weight_map": dict.fromkeys(keys[1:], "model.safetensors")}
+        (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+        with pytest.raises(CheckpointFormatError, match=f"missing from model.safetensors.index.json, e.g. {keys[0]}"):
+            CheckpointReader(tmp_path)
+        (tmp_path / "model.safetensors.index.json").write_text("{not json")
+        with pytest.raises(CheckpointFormatError, match="is not valid JSON"):
+            CheckpointReader(tmp_path)
+
+    def test_unreadable_shard_is_named(self, tmp_path):
+        (tmp_path / "model.safetensors").write_bytes(b"not a safetensors file")
+        with pytest.raises(CheckpointFormatError, match="model.safetensors is not a readable safetensors file"):
+            CheckpointReader(tmp_path)
 
     def test_unknown_key(self, tiny_hf_dir):
         with pytest.raises(KeyError, match="not in the checkpoint"):
-            HFCheckpointLoader(tiny_hf_dir("qwen3")).load("model.nope")
+            CheckpointReader(tiny_hf_dir("qwen3")).load("model.nope")
 
+
+class TestParseSize:
     @pytest.mark.parametrize(
-        ("text", "expected"), [("5GB", 5 * 10**9), ("2MiB", 2 * 2**20), ("1.5KB", 1500), (123, 123), ("77", 77)]
+        ("text", "expected"),
+        [
+            ("5GB", 5 * 10**9),
+            ("500MB", 500 * 10**6),
+            ("4GiB", 4 * 2**30),
+            ("1.5GiB", 3 * 2**29),
+            ("2MiB", 2 * 2**20),
+            ("1.5KB", 1500),
+            ("300kib", 300 * 1024),
+            (" 2000B ", 2000),
+        ],
     )
-    def test_parse_size(self, text, expected):
+    def test_units(self, text, expected):
         assert parse_size(text) == expected
 
-    def test_parse_size_rejects_garbage(self):
-        with pytest.raises(ValueError, match="cannot read size"):
-            parse_size("five gigs")
+    def test_default_is_transformers_5gb(self):
+        assert DEFAULT_MAX_SHARD_SIZE == "5GB"
+
+    @pytest.mark.parametrize("bare", ["5", "0.5", " 77 ", 123, 4.0])
+    def test_bare_number_is_rejected_asking_for_a_unit(self, bare):
+        with pytest.raises(ShardSizeError, match=r"has no unit; write e.g. 5GB or 4GiB"):
+            parse_size(bare)
+
+    @pytest.mark.parametrize("text", ["five gigs", "4 apples", "GB", "", "0GB"])
+    def test_garbage_is_rejected(self, text):
+        with pytest.raises(ShardSizeError):
+            parse_size(text)
+
+    def test_save_hf_rejects_a_bare_number_before_writing(self, tiny_hf_dir, tmp_path):
+        model = _load(tiny_hf_dir("qwen3"))
+        with pytest.raises(ShardSizeError, match="'5' has no unit"):
+            model.save_hf(tmp_path / "out", max_shard_size="5")
+        assert not list(tmp_path.iterdir())
 
 
 def test_safetensors_metadata_marks_pytorch_format(tiny_hf_dir, tmp_path):

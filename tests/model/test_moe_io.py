@@ -9,8 +9,10 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from xtl.model import SequenceContext, get_model_config, get_model_config_from_hf
-from xtl.model.hf import HFCheckpointLoader
+from xtl.model.hf import CheckpointReader
 from xtl.model.moe import DeepSeekV3Config, GptOssMoEConfig, MoE, Qwen3MoEConfig
+from xtl.module.fp32_norm import Fp32ScaleRMSNorm
+from xtl.module.norm import RMSNorm
 from xtl.module.router import NoAuxTopKRouter
 from xtl.ops.moe_loss import balance_loss
 
@@ -39,8 +41,8 @@ def _load(path) -> MoE:
 
 
 def _all_tensors(path) -> dict[str, torch.Tensor]:
-    loader = HFCheckpointLoader(path)
-    return {k: loader.load(k) for k in loader.keys()}
+    reader = CheckpointReader(path)
+    return {k: reader.load(k) for k in reader.keys()}
 
 
 class TestMoEConfig:
@@ -77,6 +79,14 @@ class TestMoEConfig:
         assert [layer.self_attn.sliding_window for layer in gpt_oss.layers] == [6, None]
         assert gpt_oss.layers[0].mlp.experts.gate_up.shape == (8, 64, 64)  # (E, 2I, C): leading expert dim
 
+    @pytest.mark.parametrize(("variant", "norm_class"), [("qwen3_moe", RMSNorm), ("gpt_oss", Fp32ScaleRMSNorm)])
+    def test_every_norm_is_built_from_the_config_norm_class(self, tiny_moe_dir, variant, norm_class):
+        model = _load(tiny_moe_dir(variant))
+        norms = [model.norm] + [
+            n for layer in model.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)
+        ]
+        assert {type(n) for n in norms} == {norm_class}
+
 
 class TestMoESaveHF:
     @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -104,8 +114,8 @@ class TestMoESaveHF:
         model = _load(src)
         out = tmp_path / "with_mtp"
         model.save_hf(out)
-        loader = HFCheckpointLoader(out)
-        tensors = {k: loader.load(k) for k in loader.keys()}
+        reader = CheckpointReader(out)
+        tensors = {k: reader.load(k) for k in reader.keys()}
         tensors["model.layers.2.embed_tokens.weight"] = torch.zeros(3)  # an MTP layer after the last layer
         from safetensors.torch import save_file
 

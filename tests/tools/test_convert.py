@@ -10,9 +10,9 @@ import torch
 from safetensors import safe_open
 
 from tests.tools.ckpt_utils import tiny_moe_tensors
+from xtl.model.hf import CheckpointFormatError, CheckpointReader, ShardSizeError, is_standard_layout
 from xtl.tools import convert
 from xtl.tools._cli import ToolInputError
-from xtl.tools._st import CheckpointReader, is_standard_layout, parse_size
 from xtl.tools.fp8 import (
     FP8_DTYPE,
     convert_to_fp8,
@@ -158,7 +158,7 @@ class TestToFp8:
             "model-language-0002-fused-save_rank1.safetensors",
         ]
         src = make_ckpt("src", _split(tiny_moe_tensors(), names))
-        report = convert_to_fp8(src, tmp_path / "out", max_shard_bytes=parse_size("150KiB"))
+        report = convert_to_fp8(src, tmp_path / "out", max_shard_size="150KiB")
         shards = sorted(p.name for p in (tmp_path / "out").glob("*.safetensors"))
         assert report.repacked and len(shards) > 2 and is_standard_layout(shards)
         index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
@@ -189,7 +189,7 @@ class TestRepack:
         src = make_ckpt("src", _split(tensors, ["rank0.safetensors", "rank1.safetensors", "rank2.safetensors"]))
         (src / "sub").mkdir()
         (src / "sub" / "notes.txt").write_text("hi")
-        weight_map = repack(src, tmp_path / "out", max_shard_bytes=parse_size("100KiB"))
+        weight_map = repack(src, tmp_path / "out", max_shard_size="100KiB")
         out = _load_all(tmp_path / "out")
         shards = sorted(set(weight_map.values()))
         assert len(shards) >= 3 and is_standard_layout(shards)
@@ -206,11 +206,11 @@ class TestRepack:
     def test_missing_shard_and_mismatched_index_are_input_errors(self, make_ckpt, tmp_path: Path) -> None:
         src = make_ckpt("src", {"a.safetensors": {"w": torch.ones(2)}, "b.safetensors": {"v": torch.ones(2)}})
         (src / "b.safetensors").unlink()
-        with pytest.raises(ToolInputError, match="does not exist"):
+        with pytest.raises(FileNotFoundError, match="does not exist"):
             repack(src, tmp_path / "out")
         index = {"weight_map": {"w": "a.safetensors", "ghost": "a.safetensors"}}
         (src / "model.safetensors.index.json").write_text(json.dumps(index))
-        with pytest.raises(ToolInputError, match="not found in a.safetensors"):
+        with pytest.raises(CheckpointFormatError, match="not found in a.safetensors"):
             repack(src, tmp_path / "out")
         assert not (tmp_path / "out").exists()
         argv = ["repack", "--source", str(src), "--output", str(tmp_path / "out")]
@@ -220,25 +220,34 @@ class TestRepack:
         src = make_ckpt(
             "src", {"a.safetensors": {"w": torch.ones(2)}, "b.safetensors": {"v": torch.ones(2)}}, index=False
         )
-        with pytest.raises(ToolInputError, match="no model.safetensors.index.json"):
+        with pytest.raises(CheckpointFormatError, match="no model.safetensors.index.json"):
             CheckpointReader(src)
 
-    @pytest.mark.parametrize(
-        ("text", "expected"), [("4", 4 * 1024**3), ("0.5", 512 * 1024**2), ("300KiB", 300 * 1024), ("2000B", 2000)]
-    )
-    def test_parse_size(self, text: str, expected: int) -> None:
-        assert parse_size(text) == expected
+    def test_api_rejects_a_bare_size(self, make_ckpt, tmp_path: Path) -> None:
+        src = make_ckpt("src", {"weird.safetensors": {"w": torch.ones(3)}})
+        with pytest.raises(ShardSizeError, match="has no unit"):
+            repack(src, tmp_path / "out", max_shard_size="4")
+        assert not (tmp_path / "out").exists()
 
-    def test_parse_size_rejects_garbage(self) -> None:
-        with pytest.raises(ToolInputError):
-            parse_size("4 apples")
+    def test_cli_bare_max_shard_size_asks_for_a_unit(
+        self, make_ckpt, tmp_path: Path, capsys: pytest.CaptureFixture
+    ) -> None:
+        src = make_ckpt("src", {"weird.safetensors": {"w": torch.ones(3)}})
+        for option in ("--max-shard-size", "--shard-size"):
+            argv = ["repack", "--source", str(src), "--output", str(tmp_path / "o"), option, "5"]
+            assert convert.main(argv) == 2
+            assert "max shard size '5' has no unit; write e.g. 5GB or 4GiB" in capsys.readouterr().err
+        assert not (tmp_path / "o").exists()
 
     def test_cli(self, make_ckpt, tmp_path: Path) -> None:
         src = make_ckpt("src", {"weird.safetensors": {"w": torch.ones(3)}})
         assert convert.main(["repack", "--source", str(src), "--output", str(tmp_path / "o")]) == 0
         assert (tmp_path / "o" / "model-00001-of-00001.safetensors").is_file()
+        argv = ["repack", "--source", str(src), "--output", str(tmp_path / "o2"), "--max-shard-size", "1KiB"]
+        assert convert.main(argv) == 0 and (tmp_path / "o2" / "model-00001-of-00001.safetensors").is_file()
         assert (
-            convert.main(["repack", "--source", str(src), "--output", str(tmp_path / "o"), "--shard-size", "x"]) == 2
+            convert.main(["repack", "--source", str(src), "--output", str(tmp_path / "o"), "--max-shard-size", "x"])
+            == 2
         )
         assert convert.main(["repack", "--help"]) == 0
         assert convert.main(["frobnicate"]) == 2

@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from xtl.model.hf import is_standard_layout
 from xtl.tools import convert
-from xtl.tools._st import is_standard_layout
 from xtl.tools.patch import diff_checkpoints, patch_checkpoint
 
 
@@ -56,7 +56,7 @@ class TestPatch:
 
     def test_union_base_wins_and_layout(self, pair: tuple[Path, Path], tmp_path: Path) -> None:
         base, extra = pair
-        weight_map = patch_checkpoint(base, extra, tmp_path / "out", max_shard_bytes=20000)
+        weight_map = patch_checkpoint(base, extra, tmp_path / "out", max_shard_size="20000B")
         out = _read(tmp_path / "out")
         assert set(out) == {"a", "b", "c", "mtp.w", "head.new"}
         assert all(torch.equal(out[k], torch.full((4,), 1.0)) for k in "abc"), "base wins on overlap"

@@ -8,7 +8,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from xtl.model.hf.saver import copy_side_files
+from xtl.model.hf import DEFAULT_MAX_SHARD_SIZE, copy_side_files
 from xtl.utils import resolve_path
 
 
@@ -23,7 +23,7 @@ class HFExport(pl.Callback):
         dirpath: Export root (default ``<trainer.default_root_dir>/hf``); exports go to ``step_<N>`` and ``final``.
         every_n_steps: Export period in optimizer steps (0: only at the end).
         at_end: Export when training ends.
-        max_shard_size: Shard size bound, e.g. ``"5GB"``.
+        max_shard_size: Shard size bound with a unit, e.g. ``"5GB"`` (the default) or ``"4GiB"``.
         dtype: Dtype of the exported tensors (default: the model config's dtype, else the parameters').
     """
 
@@ -32,7 +32,7 @@ class HFExport(pl.Callback):
         dirpath: str | None = None,
         every_n_steps: int = 0,
         at_end: bool = True,
-        max_shard_size: str = "5GB",
+        max_shard_size: str = DEFAULT_MAX_SHARD_SIZE,
         dtype: str | None = None,
     ) -> None:
         self.dirpath = dirpath

@@ -10,7 +10,9 @@ import importlib
 from typing import Any
 
 from xtl.batch import ModelOutput, SequenceContext
-from xtl.model.base import BaseModel, CheckpointMismatchError, TransformerConfig
+from xtl.model.base import BaseModel
+from xtl.model.config import TransformerConfig
+from xtl.model.hf.errors import CheckpointMismatchError
 from xtl.model.registry import (
     ALIASES,
     MODEL_TYPES,

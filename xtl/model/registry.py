@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
-from xtl.model.base import TransformerConfig, read_hf_config_dict
+from xtl.model.config import TransformerConfig, read_hf_config_dict
 
 
 class _Registry(Mapping):

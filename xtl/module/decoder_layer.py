@@ -17,14 +17,22 @@ class DecoderLayer(nn.Module):
         mlp: Feed-forward module called as ``mlp(h)``.
         hidden_size: Model width.
         rms_norm_eps: Epsilon of both norms.
+        norm_class: The RMSNorm variant of both norms, built as ``norm_class(hidden_size, rms_norm_eps)``.
     """
 
-    def __init__(self, self_attn: nn.Module, mlp: nn.Module, hidden_size: int, rms_norm_eps: float) -> None:
+    def __init__(
+        self,
+        self_attn: nn.Module,
+        mlp: nn.Module,
+        hidden_size: int,
+        rms_norm_eps: float,
+        norm_class: type[RMSNorm] = RMSNorm,
+    ) -> None:
         super().__init__()
         self.self_attn = self_attn
         self.mlp = mlp
-        self.input_layernorm = RMSNorm(hidden_size, rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(hidden_size, rms_norm_eps)
+        self.input_layernorm = norm_class(hidden_size, rms_norm_eps)
+        self.post_attention_layernorm = norm_class(hidden_size, rms_norm_eps)
 
     def forward(
         self,

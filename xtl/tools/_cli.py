@@ -1,10 +1,13 @@
-"""Shared command-line plumbing: exit codes, error type and the ``main`` wrapper every tool uses."""
+"""Shared command-line plumbing: exit codes, error type, the ``main`` wrapper, the shard-size option, progress bars."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
+
+from tqdm import tqdm
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -12,7 +15,10 @@ EXIT_USAGE = 2
 
 
 class ToolInputError(Exception):
-    """Raised for a usage or input problem (missing file, bad index, mismatched names); maps to exit code 2."""
+    """Raised for a usage or input problem (missing file, bad index, mismatched names); maps to exit code 2.
+
+    The checkpoint I/O package (``xtl.model.hf``) raises its own ``CheckpointError`` classes, mapped to 2 as well.
+    """
 
 
 def run_cli(
@@ -34,7 +40,7 @@ def run_cli(
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     try:
         return handler(args)
-    except (ToolInputError, FileNotFoundError, FileExistsError, NotADirectoryError) as exc:
+    except _input_errors() as exc:  # evaluated only once something was raised
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
 
@@ -55,4 +61,61 @@ def make_parser(prog: str, description: str, epilog: str) -> argparse.ArgumentPa
     )
 
 
+def add_max_shard_size_argument(parser: argparse.ArgumentParser, what: str) -> None:
+    """Add ``--max-shard-size`` (alias ``--shard-size``): a size with a unit, default ``5GB`` like ``save_hf``.
+
+    The value is checked while parsing (a bare number is a usage error) and kept as text.
+
+    Args:
+        parser (argparse.ArgumentParser): Parser or sub-parser.
+        what (str): What the limit applies to, for the help text.
+    """
+    from xtl.model.hf.format import DEFAULT_MAX_SHARD_SIZE
+
+    parser.add_argument(
+        "--max-shard-size",
+        "--shard-size",
+        dest="max_shard_size",
+        metavar="SIZE",
+        type=_shard_size,
+        default=DEFAULT_MAX_SHARD_SIZE,
+        help=f"{what}, with a unit: 5GB, 500MB, 4GiB, 300KiB (default {DEFAULT_MAX_SHARD_SIZE})",
+    )
+
+
+def progress(total: int, desc: str) -> tqdm:
+    """Return a tqdm progress bar on stderr (silent when stderr is not a terminal unless XTL_PROGRESS=1).
+
+    Args:
+        total (int): Number of steps.
+        desc (str): Label.
+
+    Returns:
+        tqdm: Progress bar usable as a context manager.
+    """
+    show = sys.stderr.isatty() or os.environ.get("XTL_PROGRESS", "0") == "1"
+    return tqdm(total=total, desc=desc, unit="tensor", disable=not show, file=sys.stderr)
+
+
 EXIT_CODES_HELP = "exit codes: 0 ok, 1 check failed / differences found, 2 usage or input error"
+
+
+def _input_errors() -> tuple[type[Exception], ...]:
+    """The exception types that mean a usage or input error (exit code 2).
+
+    ``CheckpointError`` is imported here, not at module level, so that ``--help`` of a tool does not load the
+    model seam (torch, transformers).
+    """
+    from xtl.model.hf.errors import CheckpointError
+
+    return (ToolInputError, CheckpointError, FileNotFoundError, FileExistsError, NotADirectoryError)
+
+
+def _shard_size(text: str) -> str:
+    from xtl.model.hf.format import parse_size
+
+    try:
+        parse_size(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from err
+    return text

@@ -11,7 +11,7 @@ SUBCOMMANDS = {"to-fp8": fp8, "repack": repack, "patch": patch}
 
 EXAMPLES = f"""examples:
   xtl convert to-fp8 --source bf16_ckpt --output fp8_ckpt [--reference fp8_ref]
-  xtl convert repack --source engine_ckpt --output hf_ckpt --shard-size 4
+  xtl convert repack --source engine_ckpt --output hf_ckpt --max-shard-size 4GiB
   xtl convert patch --base run_a --extra run_b --out merged [--dry-run] [--hardlink]
 
 Run `xtl convert <sub-command> --help` for its options.

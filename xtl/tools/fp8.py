@@ -29,18 +29,26 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save_file
 
-from xtl.tools._cli import EXIT_CODES_HELP, EXIT_FAILED, EXIT_OK, ToolInputError, make_parser, run_cli
-from xtl.tools._st import (
-    GIB,
+from xtl.model.hf import (
+    DEFAULT_MAX_SHARD_SIZE,
     INDEX_NAME,
     CheckpointReader,
-    copy_aux_files,
+    ShardWriter,
+    copy_non_tensor_files,
     is_standard_layout,
-    parse_size,
-    progress,
+    save_shard,
     write_index,
+)
+from xtl.tools._cli import (
+    EXIT_CODES_HELP,
+    EXIT_FAILED,
+    EXIT_OK,
+    ToolInputError,
+    add_max_shard_size_argument,
+    make_parser,
+    progress,
+    run_cli,
 )
 from xtl.tools.repack import SCALE_SUFFIX, repack_into
 from xtl.utils import atomic_directory
@@ -74,7 +82,7 @@ EXAMPLES = f"""examples:
   xtl convert to-fp8 --source bf16_ckpt --output fp8_ckpt --dry-run              # list decisions only
 
 Non-standard source shard names (anything but model.safetensors / model-i-of-N) are repacked into standard
-shards of --shard-size unless --no-repack is given.
+shards of --max-shard-size unless --no-repack is given.
 
 {EXIT_CODES_HELP} (1: a dequantized weight broke the fp8 error bound)"""
 
@@ -188,7 +196,7 @@ def convert_to_fp8(
     output: str | Path,
     reference: str | Path | None = None,
     repack: bool | None = None,
-    max_shard_bytes: int = 4 * GIB,
+    max_shard_size: str = DEFAULT_MAX_SHARD_SIZE,
 ) -> Fp8Report:
     """Quantize a checkpoint to block FP8 and write it, with ``quantization_config`` in ``config.json``.
 
@@ -197,7 +205,7 @@ def convert_to_fp8(
         output (str | Path): Output directory (written atomically, replaced if it exists).
         reference (str | Path | None): FP8 checkpoint whose quantized-tensor set is replicated exactly.
         repack (bool | None): Repack into standard shards; ``None`` does so only for non-standard source names.
-        max_shard_bytes (int): Shard size limit when repacking.
+        max_shard_size (str): Shard size limit with a unit (``"5GB"``, ``"4GiB"``) when repacking.
 
     Returns:
         Fp8Report: Decisions and round-trip error.
@@ -211,12 +219,13 @@ def convert_to_fp8(
     report.repacked = (not is_standard_layout(reader.shards)) if repack is None else repack
     with atomic_directory(output) as tmp:
         if report.repacked:
+            writer = ShardWriter(tmp, max_shard_size)  # a bad size fails here, before any quantization
             with tempfile.TemporaryDirectory(prefix=".fp8-stage-", dir=tmp.parent) as stage:
                 _quantize_shards(reader, chosen, Path(stage), report)
-                repack_into(CheckpointReader(stage), tmp, max_shard_bytes)
+                repack_into(CheckpointReader(stage), writer)
         else:
             _quantize_shards(reader, chosen, tmp, report)
-        copy_aux_files(reader.directory, tmp)
+        copy_non_tensor_files(reader.directory, tmp)
         config = json.loads(config_path.read_text())
         config["quantization_config"] = quantization_config(reader, chosen)
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
@@ -282,7 +291,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--repack", dest="repack", action="store_true", default=None, help="always repack shards")
     group.add_argument("--no-repack", dest="repack", action="store_false", help="keep the source shard names")
-    parser.add_argument("--shard-size", default="4", help="shard limit when repacking (GiB, or e.g. 500MB)")
+    add_max_shard_size_argument(parser, "shard limit when repacking")
     parser.add_argument("--dry-run", action="store_true", help="print the quantization decisions, write nothing")
 
 
@@ -302,7 +311,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"{'fp8 ' if name in chosen else 'keep'}  {name}  {list(reader.info(name)[1])}")
         print(f"{len(chosen)} of {len(reader.weight_map)} tensors would be quantized")
         return EXIT_OK
-    report = convert_to_fp8(args.source, args.output, args.reference, args.repack, parse_size(args.shard_size))
+    report = convert_to_fp8(args.source, args.output, args.reference, args.repack, args.max_shard_size)
     print(report.summary())
     for name in report.bound_violations:
         print(f"bound violated: {name}")
@@ -349,7 +358,7 @@ def _quantize_shards(reader: CheckpointReader, chosen: set[str], out_dir: Path, 
                 else:
                     tensors[name] = tensor
                 bar.update(1)
-            save_file(tensors, str(out_dir / shard), metadata={"format": "pt"})
+            save_shard(out_dir / shard, tensors)
             weight_map.update(dict.fromkeys(tensors, shard))
             total += sum(t.numel() * t.element_size() for t in tensors.values())
             del tensors

@@ -16,24 +16,14 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
-from xtl.tools._cli import EXIT_CODES_HELP, EXIT_OK, make_parser, run_cli
-from xtl.tools._st import (
-    GIB,
-    CheckpointReader,
-    copy_aux_files,
-    link_or_copy,
-    parse_size,
-    plan_shards,
-    shard_name,
-    write_index,
-    write_shards,
-)
+from xtl.model.hf import DEFAULT_MAX_SHARD_SIZE, CheckpointReader, ShardWriter, copy_non_tensor_files
+from xtl.tools._cli import EXIT_CODES_HELP, EXIT_OK, add_max_shard_size_argument, make_parser, progress, run_cli
 from xtl.utils import atomic_directory
 
 EXAMPLES = f"""examples:
   xtl convert patch --base run_a --extra run_b --out merged --dry-run   # show the diff summary only
   xtl convert patch --base run_a --extra run_b --out merged
-  xtl convert patch --base run_a --extra run_b --out merged --hardlink --shard-size 2
+  xtl convert patch --base run_a --extra run_b --out merged --hardlink --max-shard-size 2GB
 
 {EXIT_CODES_HELP}"""
 
@@ -85,7 +75,7 @@ def patch_checkpoint(
     base: str | Path,
     extra: str | Path,
     out: str | Path,
-    max_shard_bytes: int = 4 * GIB,
+    max_shard_size: str = DEFAULT_MAX_SHARD_SIZE,
     hardlink: bool = False,
 ) -> dict[str, str]:
     """Write ``out = base ∪ (extra \\ base)`` atomically.
@@ -94,7 +84,7 @@ def patch_checkpoint(
         base (str | Path): Base checkpoint directory (wins on overlap; its non-tensor files are copied).
         extra (str | Path): Checkpoint providing the extra-only tensors.
         out (str | Path): Output directory (replaced if it exists).
-        max_shard_bytes (int): Size limit of the new shards holding extra-only tensors.
+        max_shard_size (str): Size limit with a unit (``"5GB"``) of the new shards holding extra-only tensors.
         hardlink (bool): Hard-link base shards instead of copying them (falls back to a copy across devices).
 
     Returns:
@@ -102,18 +92,18 @@ def patch_checkpoint(
     """
     base_reader, extra_reader = CheckpointReader(base), CheckpointReader(extra)
     plan = diff_checkpoints(base, extra)
-    new_plan = plan_shards([([n], extra_reader.nbytes(n)) for n in plan.added], max_shard_bytes)
-    base_shards = base_reader.shards
-    total = len(base_shards) + len(new_plan)
-    weight_map: dict[str, str] = {}
     with atomic_directory(out) as tmp:
-        for i, shard in enumerate(base_shards, start=1):
-            link_or_copy(base_reader.directory / shard, tmp / shard_name(i, total), hardlink)
-            weight_map.update({n: shard_name(i, total) for n, s in base_reader.weight_map.items() if s == shard})
-        weight_map.update(write_shards(tmp, new_plan, extra_reader.get, len(base_shards) + 1, total, "patch"))
-        size = base_reader.total_size() + sum(extra_reader.nbytes(n) for n in plan.added)
-        write_index(tmp, weight_map, size)
-        copy_aux_files(base_reader.directory, tmp)
+        writer = ShardWriter(tmp, max_shard_size)
+        for shard in base_reader.shards:
+            names = [n for n, s in base_reader.weight_map.items() if s == shard]
+            size = sum(base_reader.nbytes(n) for n in names)
+            writer.add_file(base_reader.directory / shard, names, size, hardlink)
+        with progress(total=len(plan.added), desc="patch") as bar:
+            for name in plan.added:
+                writer.add(name, extra_reader.load(name))
+                bar.update(1)
+        weight_map = writer.finish()
+        copy_non_tensor_files(base_reader.directory, tmp)
     return weight_map
 
 
@@ -126,7 +116,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base", required=True, type=Path, help="base checkpoint (wins on overlap)")
     parser.add_argument("--extra", required=True, type=Path, help="checkpoint providing extra-only tensors")
     parser.add_argument("--out", required=True, type=Path, help="output directory (replaced atomically)")
-    parser.add_argument("--shard-size", default="4", help="limit for the new shards (GiB, or e.g. 500MB)")
+    add_max_shard_size_argument(parser, "limit for the new shards")
     parser.add_argument("--hardlink", action="store_true", help="hard-link base shards instead of copying")
     parser.add_argument("--dry-run", action="store_true", help="print the diff summary, write nothing")
 
@@ -140,13 +130,12 @@ def run(args: argparse.Namespace) -> int:
     Returns:
         int: Exit code.
     """
-    max_bytes = parse_size(args.shard_size)
     plan = diff_checkpoints(args.base, args.extra)
     print(plan.summary())
     if args.dry_run:
         print("dry run: nothing written")
         return EXIT_OK
-    weight_map = patch_checkpoint(args.base, args.extra, args.out, max_bytes, args.hardlink)
+    weight_map = patch_checkpoint(args.base, args.extra, args.out, args.max_shard_size, args.hardlink)
     print(f"wrote {len(weight_map)} tensors in {len(set(weight_map.values()))} shard(s) to {args.out}")
     return EXIT_OK
 

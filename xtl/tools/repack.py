@@ -2,7 +2,7 @@
 
 Example:
     >>> from xtl.tools.repack import repack
-    >>> repack("messy_ckpt", "clean_ckpt", max_shard_bytes=4 * 1024**3)  # doctest: +SKIP
+    >>> repack("messy_ckpt", "clean_ckpt", max_shard_size="4GiB")  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -10,21 +10,21 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from xtl.tools._cli import EXIT_CODES_HELP, EXIT_OK, make_parser, run_cli
-from xtl.tools._st import GIB, CheckpointReader, copy_aux_files, parse_size, plan_shards, write_index, write_shards
+from xtl.model.hf import DEFAULT_MAX_SHARD_SIZE, CheckpointReader, ShardWriter, copy_non_tensor_files
+from xtl.tools._cli import EXIT_CODES_HELP, EXIT_OK, add_max_shard_size_argument, make_parser, progress, run_cli
 from xtl.utils import atomic_directory
 
 SCALE_SUFFIX = "_scale_inv"
 
 EXAMPLES = f"""examples:
-  xtl convert repack --source ckpt_engine --output ckpt_hf                # 4 GiB shards
-  xtl convert repack --source ckpt_engine --output ckpt_hf --shard-size 0.5
-  xtl convert repack --source ckpt_engine --output ckpt_hf --shard-size 300KiB
+  xtl convert repack --source ckpt_engine --output ckpt_hf                # {DEFAULT_MAX_SHARD_SIZE} shards
+  xtl convert repack --source ckpt_engine --output ckpt_hf --max-shard-size 500MB
+  xtl convert repack --source ckpt_engine --output ckpt_hf --max-shard-size 300KiB
 
 {EXIT_CODES_HELP}"""
 
 
-def repack(source: str | Path, output: str | Path, max_shard_bytes: int = 4 * GIB) -> dict[str, str]:
+def repack(source: str | Path, output: str | Path, max_shard_size: str = DEFAULT_MAX_SHARD_SIZE) -> dict[str, str]:
     """Re-shard ``source`` into ``output`` with standard shard names, a fresh index and copied non-tensor files.
 
     Tensors are copied unchanged (same dtype, shape and bytes), in the source's shard/header order. A weight and
@@ -33,52 +33,53 @@ def repack(source: str | Path, output: str | Path, max_shard_bytes: int = 4 * GI
     Args:
         source (str | Path): Source checkpoint directory (any shard names; an index is required for >1 shard).
         output (str | Path): Output directory (replaced if it exists).
-        max_shard_bytes (int): Shard size limit in bytes; a single tensor larger than this gets its own shard.
+        max_shard_size (str): Shard size limit with a unit (``"5GB"``, ``"4GiB"``); a single tensor larger than
+            this gets its own shard.
 
     Returns:
         dict[str, str]: The written weight map (tensor name -> shard file).
     """
     reader = CheckpointReader(source)
     with atomic_directory(output) as tmp:
-        weight_map = repack_into(reader, tmp, max_shard_bytes)
-        copy_aux_files(reader.directory, tmp)
+        weight_map = repack_into(reader, ShardWriter(tmp, max_shard_size))
+        copy_non_tensor_files(reader.directory, tmp)
     return weight_map
 
 
-def repack_into(reader: CheckpointReader, out_dir: Path, max_shard_bytes: int) -> dict[str, str]:
-    """Write the tensors of ``reader`` into standard shards plus index inside an existing ``out_dir``.
+def repack_into(reader: CheckpointReader, writer: ShardWriter) -> dict[str, str]:
+    """Write the tensors of ``reader`` through ``writer`` (standard shards plus index), one group at a time.
 
     Args:
         reader (CheckpointReader): Source checkpoint.
-        out_dir (Path): Existing output directory.
-        max_shard_bytes (int): Shard size limit in bytes.
+        writer (ShardWriter): Writer into the output directory.
 
     Returns:
         dict[str, str]: The written weight map.
     """
-    plan = plan_shards(scale_groups(reader), max_shard_bytes)
-    weight_map = write_shards(out_dir, plan, reader.get, 1, len(plan), "repack")
-    write_index(out_dir, weight_map, reader.total_size())
-    return weight_map
+    groups = scale_groups(reader)
+    with progress(total=sum(len(g) for g in groups), desc="repack") as bar:
+        for names in groups:
+            writer.add_group((name, reader.load(name)) for name in names)
+            bar.update(len(names))
+    return writer.finish()
 
 
-def scale_groups(reader: CheckpointReader) -> list[tuple[list[str], int]]:
+def scale_groups(reader: CheckpointReader) -> list[list[str]]:
     """Group every tensor with its ``_scale_inv`` sibling (if any) so the two are never split across shards.
 
     Args:
         reader (CheckpointReader): Source checkpoint.
 
     Returns:
-        list[tuple[list[str], int]]: ``(names, nbytes)`` per group, in reader order.
+        list[list[str]]: Tensor names per group, in reader order.
     """
-    names = reader.names
+    names = reader.keys()
     present = set(names)
     groups = []
     for name in names:
         if name.endswith(SCALE_SUFFIX) and name[: -len(SCALE_SUFFIX)] in present:
             continue  # emitted together with its weight
-        members = [name] + ([name + SCALE_SUFFIX] if name + SCALE_SUFFIX in present else [])
-        groups.append((members, sum(reader.nbytes(m) for m in members)))
+        groups.append([name] + ([name + SCALE_SUFFIX] if name + SCALE_SUFFIX in present else []))
     return groups
 
 
@@ -90,9 +91,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """
     parser.add_argument("--source", required=True, type=Path, help="source checkpoint directory")
     parser.add_argument("--output", required=True, type=Path, help="output directory (replaced atomically)")
-    parser.add_argument(
-        "--shard-size", default="4", help="max shard size: GiB as a number (fractions ok) or with a suffix (500MB)"
-    )
+    add_max_shard_size_argument(parser, "max shard size")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -104,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
     Returns:
         int: Exit code.
     """
-    weight_map = repack(args.source, args.output, parse_size(args.shard_size))
+    weight_map = repack(args.source, args.output, args.max_shard_size)
     print(f"wrote {len(weight_map)} tensors in {len(set(weight_map.values()))} shard(s) to {args.output}")
     return EXIT_OK
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from xtl.model.base import TransformerConfig
+from xtl.model.config import TransformerConfig
+from xtl.module.norm import RMSNorm
 
 
 @dataclass
@@ -28,6 +29,25 @@ class DenseConfig(TransformerConfig):
     def qk_norm(self) -> bool:
         """Per-head RMSNorm on queries and keys."""
         return False
+
+    @property
+    def attention_sinks(self) -> bool:
+        """A learned sink logit per head joins the attention softmax (GPT-OSS)."""
+        return False
+
+    @property
+    def is_mla(self) -> bool:
+        """Multi-head latent attention (DeepSeek): the family config then carries the MLA dimensions."""
+        return False
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """Whether decoder layer ``layer_idx`` has routed experts (never, for a dense model)."""
+        return False
+
+    @property
+    def norm_class(self) -> type[RMSNorm]:
+        """RMSNorm variant of the decoder-layer and final norms."""
+        return RMSNorm
 
     def layer_sliding_window(self, layer_idx: int) -> int | None:
         """Sliding window of layer ``layer_idx`` (``None``: full attention)."""

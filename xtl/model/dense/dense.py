@@ -12,7 +12,6 @@ from xtl.model.base import BaseModel
 from xtl.module.attention import MultiHeadAttention
 from xtl.module.decoder_layer import DecoderLayer
 from xtl.module.mlp import GatedMLP
-from xtl.module.norm import RMSNorm
 from xtl.module.rope import RotaryEmbedding
 from xtl.ops.attention import AttentionMaskSpec
 from xtl.ops.cross_entropy import lm_head_loss, shift_labels
@@ -22,7 +21,7 @@ if TYPE_CHECKING:
 
 
 class Dense(BaseModel):
-    """Embedding, ``num_hidden_layers`` decoder layers, final RMSNorm, LM head (tied or not).
+    """Embedding, ``num_hidden_layers`` decoder layers, final norm (``config.norm_class``), LM head (tied or not).
 
     Two call styles:
 
@@ -36,7 +35,7 @@ class Dense(BaseModel):
         super().__init__(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
         self.layers = nn.ModuleList([self.build_layer(i) for i in range(config.num_hidden_layers)])
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = config.norm_class(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
         self.rotary_emb = RotaryEmbedding(config.hf_config)
@@ -52,7 +51,7 @@ class Dense(BaseModel):
         """Build decoder layer ``layer_idx`` from the config's attention and MLP settings."""
         cfg = self.config
         mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, bias=cfg.mlp_bias)
-        return DecoderLayer(self.build_attention(layer_idx), mlp, cfg.hidden_size, cfg.rms_norm_eps)
+        return DecoderLayer(self.build_attention(layer_idx), mlp, cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_class)
 
     def build_attention(self, layer_idx: int) -> MultiHeadAttention:
         """The attention of layer ``layer_idx`` (``attention_class`` built from the config)."""

@@ -9,7 +9,6 @@ from transformers import PretrainedConfig
 
 from xtl.model.dense.config import DenseConfig
 from xtl.module.experts import GroupedExperts
-from xtl.module.norm import RMSNorm
 from xtl.module.router import Router, SoftmaxTopKRouter
 
 
@@ -22,7 +21,7 @@ class MoEConfig(DenseConfig):
         moe_intermediate_size: Width of one routed expert.
         norm_topk_prob: Renormalize the selected routing weights.
         expert_gemm_impl: xtl's grouped GEMM implementation for the experts (``auto``, ``loop``, ``torch``,
-            ``triton``; ``XTL_HF_IMPL=1`` forces ``loop``).
+            ``triton``; the HF-parity selectors force ``loop``).
     """
 
     # transformers config fields that are not dataclass fields of the transformers config class but must be written
@@ -49,9 +48,14 @@ class MoEConfig(DenseConfig):
         return 0
 
     @property
-    def norm_class(self) -> type[RMSNorm]:
-        """RMSNorm variant of the decoder-layer and final norms."""
-        return RMSNorm
+    def router_bias(self) -> bool:
+        """The router has a bias (a gate bias, or a stored score-correction bias)."""
+        return False
+
+    @property
+    def expert_bias(self) -> bool:
+        """The routed experts' projections have biases."""
+        return False
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         """Whether decoder layer ``layer_idx`` has routed experts (else a dense MLP of ``intermediate_size``)."""

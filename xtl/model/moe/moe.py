@@ -12,7 +12,6 @@ from xtl.model.dense.dense import Dense
 from xtl.module.decoder_layer import DecoderLayer
 from xtl.module.mlp import GatedMLP
 from xtl.module.moe_block import MoEBlock, MoEDecoderLayer
-from xtl.module.norm import RMSNorm
 from xtl.module.router import NoAuxTopKRouter
 from xtl.ops.attention import AttentionMaskSpec
 from xtl.ops.moe_loss import router_statistics
@@ -43,11 +42,6 @@ class MoE(Dense):
 
     config: MoEConfig
 
-    def __init__(self, config: MoEConfig) -> None:
-        super().__init__(config)
-        if config.norm_class is not RMSNorm:
-            self.norm = config.norm_class(config.hidden_size, config.rms_norm_eps)
-
     @property
     def moe_layer_indices(self) -> list[int]:
         """Decoder-layer indices of the MoE layers (row order of the ``(L, ...)`` extras)."""
@@ -62,14 +56,9 @@ class MoE(Dense):
             if cfg.shared_experts_intermediate_size:
                 shared = GatedMLP(cfg.hidden_size, cfg.shared_experts_intermediate_size, cfg.hidden_act)
             block = MoEBlock(cfg.build_router(), cfg.build_experts(), shared)
-            layer: DecoderLayer = MoEDecoderLayer(attn, block, cfg.hidden_size, cfg.rms_norm_eps)
-        else:
-            mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, bias=cfg.mlp_bias)
-            layer = DecoderLayer(attn, mlp, cfg.hidden_size, cfg.rms_norm_eps)
-        if cfg.norm_class is not RMSNorm:
-            layer.input_layernorm = cfg.norm_class(cfg.hidden_size, cfg.rms_norm_eps)
-            layer.post_attention_layernorm = cfg.norm_class(cfg.hidden_size, cfg.rms_norm_eps)
-        return layer
+            return MoEDecoderLayer(attn, block, cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_class)
+        mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, bias=cfg.mlp_bias)
+        return DecoderLayer(attn, mlp, cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_class)
 
     def run_layers(
         self,

@@ -1,0 +1,176 @@
+"""Loading a model's weights from, and saving them to, a Hugging Face model directory.
+
+The model supplies the key map and the layout hooks (``checkpoint_tensors``, ``hf_keys``, ``hf_to_param``,
+``param_to_hf``, ``_ignorable_hf_key``, ``_keep_fp32_names``); this module runs the loops: which keys to read,
+shape checks and strict errors, DTensor-aware copies, shard writing, side files and fp32-kept tensors.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, distribute_tensor
+from transformers import GenerationConfig
+
+from xtl.model.hf.errors import CheckpointMismatchError
+from xtl.model.hf.format import DEFAULT_MAX_SHARD_SIZE, parse_size
+from xtl.model.hf.reader import CheckpointReader
+from xtl.model.hf.writer import ShardWriter, copy_side_files
+from xtl.utils import atomic_directory
+
+if TYPE_CHECKING:
+    from xtl.model.base import BaseModel
+
+
+def load_hf_weights(
+    model: BaseModel, path: str | Path, strict: bool = True, device: torch.device | str | None = None
+) -> list[str]:
+    """The loop behind ``BaseModel.from_hf``: read, reshape and copy every checkpoint tensor of ``model``.
+
+    For each tensor of ``model.checkpoint_tensors()`` the HF keys come from ``model.hf_keys``, are read lazily and
+    combined by ``model.hf_to_param``; a DTensor receives only its local shard. A ``meta`` model is materialized
+    on ``device`` (default CPU) first; with ``strict=False`` the tensors whose keys are absent are initialized.
+    Checkpoint keys the model does not consume count as unexpected unless ``model._ignorable_hf_key`` says so.
+
+    Args:
+        model: The model (its key map and layout hooks decide what is read).
+        path: HF model directory.
+        strict: Whether missing or unexpected keys raise; a shape difference always does.
+        device: Device a ``meta`` model is materialized on.
+
+    Returns:
+        The HF keys ``model`` needed that ``path`` lacks (always empty when ``strict``).
+
+    Raises:
+        CheckpointMismatchError: Lists every missing/unexpected key and every shape difference.
+        FileNotFoundError, CheckpointFormatError: ``path`` is not a readable checkpoint directory.
+    """
+    with CheckpointReader(path) as reader:
+        tensors = model.checkpoint_tensors()
+        if any(t.is_meta for t in tensors.values()):
+            model.materialize(device or "cpu")
+            tensors = model.checkpoint_tensors()
+        missing: list[str] = []
+        mismatched: list[str] = []
+        consumed: set[str] = set()
+        missing_params: list[str] = []
+        for name, param in tensors.items():
+            keys = model.hf_keys(name)
+            absent = [k for k in keys if k not in reader]
+            if absent:
+                missing.extend(absent)
+                missing_params.append(name)
+                continue
+            consumed.update(keys)
+            full = model.hf_to_param(name, [reader.load(k) for k in keys])
+            if tuple(full.shape) != tuple(param.shape):
+                mismatched.append(
+                    f"{name} (from {', '.join(keys)}): checkpoint {tuple(full.shape)}, model {tuple(param.shape)}"
+                )
+                continue
+            copy_into(param, full)
+        unexpected = sorted(k for k in set(reader.keys()) - consumed if not model._ignorable_hf_key(k))
+    if mismatched or (strict and (missing or unexpected)):
+        raise CheckpointMismatchError(_mismatch_message(path, missing, unexpected, mismatched))
+    if missing_params:
+        model._init_named(missing_params)
+    return missing
+
+
+def save_hf_weights(
+    model: BaseModel,
+    out_dir: str | Path,
+    max_shard_size: str = DEFAULT_MAX_SHARD_SIZE,
+    dtype: torch.dtype | None = None,
+    source_dir: str | Path | None = None,
+) -> None:
+    """Write an HF model directory: shards, index, ``config.json``, generation config and tokenizer files.
+
+    Under torch.distributed every rank must call this (sharded tensors are gathered one at a time); rank 0
+    writes. The directory appears atomically (temp dir, then rename).
+
+    Args:
+        model: The model.
+        out_dir: Target directory (replaced if it exists).
+        max_shard_size: Upper bound per shard with a unit, e.g. ``"5GB"``.
+        dtype: Cast floating-point tensors to this dtype (default: the config's ``dtype`` -- the source
+            checkpoint's -- if set, else the parameter dtypes). Tensors a module declares in its ``keep_fp32``
+            attribute are always written in fp32.
+        source_dir: The HF directory the model was loaded from; its generation config and tokenizer files are
+            copied.
+
+    Raises:
+        ShardSizeError: ``max_shard_size`` cannot be read (raised on every rank, before any collective).
+    """
+    parse_size(max_shard_size)  # fail on every rank, before any collective
+    if dtype is None and model.config.dtype is not None:
+        dtype = getattr(torch, model.config.dtype)
+    is_writer = not dist.is_initialized() or dist.get_rank() == 0
+    with atomic_directory(out_dir) if is_writer else nullcontext(None) as tmp:
+        writer = ShardWriter(tmp, max_shard_size) if is_writer else None
+        keep_fp32 = model._keep_fp32_names()
+        for name, tensor in model.checkpoint_tensors().items():
+            full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach()
+            if not is_writer:
+                continue
+            if name in keep_fp32:
+                full = full.float()
+            elif dtype is not None and full.is_floating_point():
+                full = full.to(dtype)
+            for key, part in zip(model.hf_keys(name), model.param_to_hf(name, full)):
+                writer.add(key, part)
+        if is_writer:
+            writer.finish()
+            _write_side_files(model, tmp, dtype, source_dir)
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def copy_into(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy the full tensor ``full`` into ``param`` (only the local shard when ``param`` is a DTensor)."""
+    with torch.no_grad():
+        if isinstance(param, DTensor):
+            local = distribute_tensor(
+                full.to(param.dtype), param.device_mesh, param.placements, src_data_rank=None
+            ).to_local()
+            param.to_local().copy_(local)
+        else:
+            param.copy_(full.to(param.dtype))
+
+
+def _write_side_files(
+    model: BaseModel, out_dir: Path, dtype: torch.dtype | None, source_dir: str | Path | None
+) -> None:
+    hf_config = model.config.hf_config
+    if dtype is not None:
+        hf_config.dtype = str(dtype).removeprefix("torch.")
+    hf_config.save_pretrained(out_dir)
+    if source_dir is not None and (Path(source_dir) / "generation_config.json").is_file():
+        copy_side_files(source_dir, out_dir, ["generation_config.json"])
+    else:
+        generation = GenerationConfig.from_model_config(hf_config)
+        if generation.to_diff_dict() != GenerationConfig().to_diff_dict():
+            generation.save_pretrained(out_dir)
+    copy_side_files(source_dir, out_dir)
+
+
+def _mismatch_message(path: str | Path, missing: list[str], unexpected: list[str], mismatched: list[str]) -> str:
+    lines = [f"checkpoint {path} does not match the model:"]
+    if missing:
+        lines.append(
+            f"  missing keys ({len(missing)}): " + ", ".join(missing[:20]) + (" ..." if len(missing) > 20 else "")
+        )
+    if unexpected:
+        lines.append(
+            f"  unexpected keys ({len(unexpected)}): "
+            + ", ".join(unexpected[:20])
+            + (" ..." if len(unexpected) > 20 else "")
+        )
+    if mismatched:
+        lines.append("  shape mismatches: " + "; ".join(mismatched))
+    lines.append("  check that the checkpoint belongs to this model config (or load with strict=False).")
+    return "\n".join(lines)
