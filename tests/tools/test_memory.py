@@ -1,16 +1,19 @@
-"""Tests for ``xtl memory``: the reference Qwen3-8B case, published parameter counts, parallel layouts, --measure."""
+"""Tests for ``xtl memory``: the reference Qwen3-8B case, published parameter counts, model resolution, parallel
+layouts, --measure."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
+import torch
 
+from xtl.model import MODEL_TYPES, alias_names, get_model_config
+from xtl.model.dims import ModelDims
 from xtl.tools import memory
 from xtl.tools._cli import ToolInputError
-from xtl.tools._memory_model import ModelDims
-from xtl.tools._model_table import MODEL_TABLE
-from xtl.tools.memory import TrainSetup, estimate_memory, parameter_counts
+from xtl.tools.memory import TrainSetup, estimate_memory, model_dims
 
 GIB = 2**30
 L = 32768  # reference case: Qwen3-8B, 1 node, dp 8, FSDP, L=32768, recompute, flash attention, chunk loss 1024
@@ -125,7 +128,7 @@ class TestPublishedParameterCounts:
         mlp = h + experts * h + routed  # post norm, router, experts
         total = vocab * h + layers * (attn + mlp) + h + vocab * h
         activated = total - layers * routed * (experts - top_k) // experts
-        p = parameter_counts(ModelDims.from_hf("q", MODEL_TABLE["qwen3-30b-a3b"]))
+        p = model_dims("qwen3-30b-a3b").parameter_counts()
         assert (p["total"], p["activated"], p["experts"]) == (total, activated, layers * routed)
         assert round(total / 1e9, 1) == 30.5 and 3.3e9 <= activated < 3.4e9  # model card: 30.5B / 3.3B
 
@@ -139,7 +142,7 @@ class TestPublishedParameterCounts:
         moe_mlp = h + experts * h + experts + 3 * h * inter + routed  # norm, router + score bias, shared, routed
         total = 2 * vocab * h + h + layers * attn + dense * dense_mlp + (layers - dense) * moe_mlp
         activated = total - (layers - dense) * routed * (experts - top_k) // experts
-        p = parameter_counts(ModelDims.from_hf("d", MODEL_TABLE["deepseek-v3"]))
+        p = model_dims("deepseek-v3").parameter_counts()
         assert (p["total"], p["activated"]) == (total, activated)
         assert round(total / 1e9) == 671 and 37e9 <= activated < 38e9  # paper: 671B total, 37B activated
 
@@ -149,11 +152,94 @@ class TestPublishedParameterCounts:
          ("llama-3.1-70b", 70.55, None), ("qwen3-235b-a22b", 235.09, 22.19), ("qwen3-0.6b", 0.596, None)],
     )  # fmt: skip
     def test_model_cards(self, alias: str, total_b: float, active_b: float | None) -> None:
-        p = parameter_counts(ModelDims.from_hf(alias, MODEL_TABLE[alias]))
+        p = model_dims(alias).parameter_counts()
         assert p["total"] / 1e9 == pytest.approx(total_b, abs=0.01)
         if active_b is not None:  # OpenAI counts active parameters without the embedding
             embedding = p["embedding"] if alias.startswith("gpt-oss") else 0
             assert (p["activated"] - embedding) / 1e9 == pytest.approx(active_b, abs=0.01)
+
+
+# Tiny HF configs of every family: the counts must equal the tensors of the model xtl builds from them.
+_TINY = dict(vocab_size=160, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, max_position_embeddings=256)
+TINY_HF_CONFIGS = {
+    "llama_tied": dict(model_type="llama", intermediate_size=96, num_key_value_heads=2, tie_word_embeddings=True),
+    "llama_biases": dict(model_type="llama", intermediate_size=96, attention_bias=True, mlp_bias=True),
+    "qwen2": dict(model_type="qwen2", intermediate_size=96, num_key_value_heads=2),
+    "qwen3": dict(model_type="qwen3", intermediate_size=96, num_key_value_heads=2, head_dim=8),
+    "qwen3_moe": dict(
+        model_type="qwen3_moe", num_key_value_heads=2, head_dim=16, intermediate_size=96, moe_intermediate_size=32,
+        num_experts=8, num_experts_per_tok=3, mlp_only_layers=[0],
+    ),
+    "deepseek_v3": dict(
+        model_type="deepseek_v3", num_key_value_heads=4, intermediate_size=96, moe_intermediate_size=32,
+        n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, first_k_dense_replace=1,
+        n_shared_experts=2, q_lora_rank=24, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12,
+    ),
+    "deepseek_v3_no_q_lora": dict(
+        model_type="deepseek_v3", intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8, n_group=1,
+        topk_group=1, num_experts_per_tok=2, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8,
+        qk_nope_head_dim=16, v_head_dim=12, attention_bias=True,
+    ),
+    "gpt_oss": dict(
+        model_type="gpt_oss", num_key_value_heads=2, head_dim=16, intermediate_size=32, num_local_experts=8,
+        num_experts_per_tok=2, sliding_window=6,
+    ),
+}  # fmt: skip
+
+
+class TestModelResolution:
+    def test_every_help_alias_resolves_through_the_registry(self, capsys: pytest.CaptureFixture) -> None:
+        assert memory.main(["--help"]) == 0
+        listed = capsys.readouterr().out.split("aliases: ")[1].split("\n")[0].split(", ")
+        assert set(listed) == set(alias_names()) and "qwen3-8b" in listed and "deepseek-v3" in listed
+        for alias in listed:
+            assert model_dims(alias) == ModelDims.from_config(get_model_config(alias), alias)
+
+    @pytest.mark.parametrize(
+        ("old", "registered"),
+        [("llama-3.1-8b", "llama3.1-8b"), ("llama-3.1-70b", "llama3.1-70b"), ("Qwen3_30B_A3B", "qwen3-30b-a3b")],
+    )
+    def test_former_table_spellings_resolve(self, old: str, registered: str) -> None:
+        assert model_dims(old).parameter_counts() == model_dims(registered).parameter_counts()
+
+    def test_unknown_alias_lists_the_aliases(self) -> None:
+        with pytest.raises(ToolInputError, match="known alias") as err:
+            model_dims("no-such-model")
+        assert all(alias in str(err.value) for alias in alias_names())
+
+    def test_hf_directory_written_by_transformers(self, tmp_path: Path) -> None:
+        from transformers import Qwen3MoeConfig
+
+        h, heads, kv, hd, experts, top_k, inter, vocab, layers = 64, 4, 2, 16, 8, 2, 32, 160, 2
+        Qwen3MoeConfig(
+            vocab_size=vocab, hidden_size=h, num_hidden_layers=layers, num_attention_heads=heads,
+            num_key_value_heads=kv, head_dim=hd, moe_intermediate_size=inter, num_experts=experts,
+            num_experts_per_tok=top_k,
+        ).save_pretrained(tmp_path / "tiny-moe")  # fmt: skip
+        dims = model_dims(str(tmp_path / "tiny-moe"))
+        assert (dims.name, dims.num_experts, dims.experts_per_token, dims.moe_layers) == ("tiny-moe", 8, 2, (0, 1))
+        attn = h + 2 * h * heads * hd + 2 * h * kv * hd + 2 * hd  # input norm, q/o, k/v, q/k norms
+        routed = experts * 3 * h * inter
+        total = 2 * vocab * h + h + layers * (attn + h + experts * h + routed)  # post norm, router, experts
+        p = dims.parameter_counts()
+        assert (p["total"], p["experts"]) == (total, layers * routed)
+        assert model_dims(str(tmp_path / "tiny-moe" / "config.json")) == dims
+
+    @pytest.mark.parametrize("variant", sorted(TINY_HF_CONFIGS))
+    def test_counts_equal_the_built_model(self, variant: str) -> None:
+        fields = {**_TINY, **TINY_HF_CONFIGS[variant]}
+        dims = model_dims(fields)
+        cls = MODEL_TYPES[fields["model_type"]]
+        with torch.device("meta"):
+            model = cls.from_hf_config(cls.hf_config_class.from_dict(fields)).build()
+        tensors = model.checkpoint_tensors()  # parameters (tied ones once) and persistent buffers
+        p = dims.parameter_counts()
+        assert p["total"] == sum(t.numel() for t in tensors.values())
+        assert p["embedding"] == tensors["embed_tokens.weight"].numel()
+        assert p["attention"] == sum(
+            t.numel() for k, t in tensors.items() if ".self_attn." in k or "input_layernorm" in k
+        )
+        assert p["experts"] == sum(t.numel() for k, t in tensors.items() if ".experts." in k)
 
 
 class TestParallelLayouts:
@@ -211,9 +297,9 @@ class TestParallelLayouts:
 
 class TestMeasure:
     def test_formula_agrees_with_autograd(self) -> None:
-        from xtl.tools._memory_measure import TOLERANCE, measure_activations
+        from xtl.tools._memory_measure import TOLERANCE
 
-        result = measure_activations(seq_len=256)
+        result = memory.measure_activations(seq_len=256)
         assert result.max_grad_diff < 1e-4, "fused-style ops compute the same gradients as transformers"
         assert abs(result.ratio - 1) <= TOLERANCE == 0.03, result.render()
         assert result.measured_bytes >= result.formula_bytes, "the formula leaves out only cos/sin and labels"
@@ -230,20 +316,26 @@ class TestMemoryCli:
         data = json.loads(capsys.readouterr().out)
         assert data["params"]["total"] > 30e9 and data["peak_micro_batch_n"]["phase"] in data["phases"]
 
-    def test_config_path(self, tmp_path, capsys: pytest.CaptureFixture) -> None:
-        (tmp_path / "config.json").write_text(json.dumps(MODEL_TABLE["llama-3.1-8b"]))
+    def test_config_path(self, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+        get_model_config("llama3.1-8b").hf_config.save_pretrained(tmp_path)
         assert memory.main([str(tmp_path), "--format", "json"]) == 0
         assert json.loads(capsys.readouterr().out)["params"]["total"] == pytest.approx(8.03e9, rel=1e-3)
 
-    def test_exit_codes(self, tmp_path, capsys: pytest.CaptureFixture) -> None:
+    def test_exit_codes(self, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
         assert memory.main(["--help"]) == 0
         assert "examples:" in capsys.readouterr().out
         assert memory.main(["no-such-model"]) == 2
+        assert "qwen3-30b-a3b" in capsys.readouterr().err
+        assert memory.main([str(tmp_path)]) == 2
+        assert "no config.json" in capsys.readouterr().err
         assert memory.main([]) == 2
         assert memory.main(["qwen3-8b", "--zero", "2"]) == 2
         (tmp_path / "config.json").write_text("{}")
         assert memory.main([str(tmp_path)]) == 2
-        assert "lacks" in capsys.readouterr().err
+        assert "lacks a supported model_type" in capsys.readouterr().err
+        (tmp_path / "config.json").write_text('{"model_type": "qwen3", "hidden_size": "wide"}')
+        assert memory.main([str(tmp_path)]) == 2
+        assert "invalid field" in capsys.readouterr().err
 
     def test_measure_flag(self, capsys: pytest.CaptureFixture) -> None:
         assert memory.main(["--measure", "--seq-len", "128", "--format", "json"]) == 0

@@ -4,9 +4,10 @@ A tiny Qwen3 model is built with ``transformers`` (SDPA attention, which on CPU 
 v, the output and the log-sum-exp), its RMSNorms and SwiGLU are routed through fused-style autograd functions (the
 kernels the estimator assumes: RMSNorm keeps input + fp32 rstd, SwiGLU keeps gate + up), and one forward runs under
 ``torch.autograd.graph.saved_tensors_hooks``. The measured activation memory is the total size of the distinct
-storages autograd saved, parameters excluded. It is compared with :func:`xtl.tools.memory.estimate_memory` for the
-same config without recomputation (fp32, so ``act_bytes=4``). A backward pass checks that the fused-style model
-computes the same loss and gradients as the stock transformers model.
+storages autograd saved, parameters excluded. It is compared with the estimator's formula for the same config
+without recomputation (fp32), which the caller passes in (``xtl.tools.memory.measure_activations`` passes
+``xtl memory``'s). A backward pass checks that the fused-style model computes the same loss and gradients as the
+stock transformers model.
 
 Tolerance: ``|measured / formula - 1| <= 3%``. What the formula leaves out is RoPE's cos/sin tables (shared by all
 layers) and the label tensors of the loss, about 1% at the default size.
@@ -14,11 +15,10 @@ layers) and the label tensors of the loss, about 1% at the default size.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-
-from xtl.tools.memory import TrainSetup, estimate_memory
 
 TOLERANCE = 0.03
 
@@ -79,7 +79,7 @@ class MeasureResult:
 
 
 def tiny_dense_config() -> dict:
-    """HF fields of the scaled-down Qwen3-like model used by :func:`measure_activations`.
+    """HF fields of the scaled-down Qwen3-like model used by :func:`compare_with_autograd`.
 
     Returns:
         dict: HF ``Qwen3Config`` fields.
@@ -91,10 +91,14 @@ def tiny_dense_config() -> dict:
     }  # fmt: skip
 
 
-def measure_activations(seq_len: int = 256, config: dict | None = None, seed: int = 0) -> MeasureResult:
-    """Measure saved-activation bytes of a tiny transformers Qwen3 and compare them with the estimator.
+def compare_with_autograd(
+    formula: Callable[[dict, int], float], seq_len: int = 256, config: dict | None = None, seed: int = 0
+) -> MeasureResult:
+    """Measure saved-activation bytes of a tiny transformers Qwen3 and compare them with ``formula``.
 
     Args:
+        formula (Callable[[dict, int], float]): Estimated fp32 activation bytes of one forward without
+            recomputation, from the HF config fields and the sequence length.
         seq_len (int): Tokens in the single sequence.
         config (dict | None): HF Qwen3 fields (defaults to :func:`tiny_dense_config`).
         seed (int): Seed for weights and tokens.
@@ -121,14 +125,8 @@ def measure_activations(seq_len: int = 256, config: dict | None = None, seed: in
         float((a.grad - b.grad).abs().max()) for a, b in zip(fused.parameters(), stock.parameters(), strict=True)
     )
     grad_diff = max(grad_diff, abs(float(fused_loss.detach() - stock_loss.detach())))
-    setup = TrainSetup(
-        nodes=1, gpus_per_node=1, seq_len=seq_len, recompute=False, flash_attn=True, act_bytes=4, zero=3
-    )
-    est = estimate_memory(fields, setup)
-    parts = est.parts
-    formula = parts["embed"]["acts"] + parts["head"]["acts"]
-    formula += (parts["layer_attn"]["acts"] + parts["layer_mlp"]["acts"]) * fields["num_hidden_layers"]
-    return MeasureResult(fields | {"seq_len": seq_len}, measured, formula, stock_bytes, grad_diff)
+    estimate = formula(fields, seq_len)
+    return MeasureResult(fields | {"seq_len": seq_len}, measured, estimate, stock_bytes, grad_diff)
 
 
 def _saved_bytes(model: torch.nn.Module, ids: torch.Tensor) -> tuple[int, torch.Tensor]:

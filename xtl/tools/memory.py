@@ -1,11 +1,18 @@
 """``xtl memory``: per-GPU memory estimate of a training setup, before running it.
 
-The model comes from an HF ``config.json`` (or a directory holding one) or an alias (``qwen3-8b``,
-``qwen3-30b-a3b``, ``deepseek-v3``, ...). Training keeps fp32 master parameters and Adam moments, sharded over the
+The model comes from an HF ``config.json`` (or a directory holding one), an alias of the model registry
+(``qwen3-8b``, ``qwen3-30b-a3b``, ``deepseek-v3``, ...) or an xtl config; parameter counts come from
+:class:`xtl.model.dims.ModelDims`. Training keeps fp32 master parameters and Adam moments, sharded over the
 data-parallel group (ZeRO-1: optimizer states only; ZeRO-3/FSDP: everything, gathering one layer at a time in bf16),
 computes in bf16 and keeps fp32 sharded master gradients. Tensor parallelism shards every part (sequence parallel
 for activations), pipeline parallelism (ZeRO-1 only, 1F1B) keeps several micro-batches in flight on the first stage,
 expert parallelism shards routed experts.
+
+Activation accounting (elements per token, stored in the activation dtype unless marked fp32) is what a fused
+training implementation keeps for backward: fused RMSNorm keeps its input plus an fp32 ``rstd`` per row and its
+output is kept by the consumer linear; RoPE keeps nothing but cos/sin; flash attention keeps q, k, v, its output
+and the fp32 log-sum-exp per head; fused SwiGLU keeps gate and up and the down projection keeps its input. The
+derivation of every term is in ``docs/tools.md`` and ``xtl memory --measure`` checks it against autograd.
 
 Example:
     >>> from xtl.tools.memory import TrainSetup, estimate_memory
@@ -19,15 +26,25 @@ from __future__ import annotations
 import argparse
 import json
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
 
+from huggingface_hub.errors import StrictDataclassError
+
+from xtl.model import MODEL_TYPES, alias_names, get_model_config
+from xtl.model.dims import ModelDims
 from xtl.tools._cli import EXIT_CODES_HELP, EXIT_FAILED, EXIT_OK, ToolInputError, make_parser, run_cli
-from xtl.tools._memory_model import INDEX_BYTES, ModelDims
-from xtl.tools._model_table import MODEL_TABLE, resolve_model
+
+if TYPE_CHECKING:
+    from xtl.model.dense.config import DenseConfig
+    from xtl.tools._memory_measure import MeasureResult
 
 GIB = 1024**3
 COLUMNS = ("params", "grads", "opt_states", "master_params", "master_grads", "acts")
+FP32 = 4
+INDEX_BYTES = 8
 
-EXAMPLES = f"""examples:
+EXAMPLES = """examples:
   xtl memory qwen3-8b --gpus-per-node 8 --seq-len 32768 --chunk-loss 1024          # FSDP, recompute, flash
   xtl memory qwen3-30b-a3b --nodes 4 --ep 8 --seq-len 8192
   xtl memory deepseek-v3 --nodes 128 --ep 64 --seq-len 4096
@@ -35,8 +52,8 @@ EXAMPLES = f"""examples:
   xtl memory path/to/hf_model --no-recompute --format json
   xtl memory --measure                          # check the activation formula against autograd on this CPU
 
-aliases: {", ".join(MODEL_TABLE)}
-{EXIT_CODES_HELP} (1: --measure disagreed beyond its tolerance)"""
+aliases: {aliases}
+{exit_codes} (1: --measure disagreed beyond its tolerance)"""
 
 
 @dataclass
@@ -164,48 +181,81 @@ class MemoryEstimate:
         return "\n".join(lines)
 
 
-def estimate_memory(model: str | dict | ModelDims, setup: TrainSetup | None = None) -> MemoryEstimate:
+def estimate_memory(model: str | dict | DenseConfig | ModelDims, setup: TrainSetup | None = None) -> MemoryEstimate:
     """Estimate per-GPU memory of one training step.
 
     Args:
-        model (str | dict | ModelDims): Alias, ``config.json`` path, HF config dict or dimensions.
+        model (str | dict | DenseConfig | ModelDims): Alias, ``config.json`` path or HF model directory, HF config
+            dict, xtl config or dimensions.
         setup (TrainSetup | None): Training setup (defaults: 1 node x 8 GPUs, FSDP, recompute, flash attention).
 
     Returns:
         MemoryEstimate: Parameter counts, per-part table, phases and peaks.
     """
     setup = setup or TrainSetup()
-    dims = _as_dims(model)
+    dims = model_dims(model)
     _validate(dims, setup)
     return _Estimator(dims, setup).run()
 
 
-def parameter_counts(dims: ModelDims) -> dict[str, int]:
-    """Count parameters by part: embedding, attention, mlp (routed experts included), head, total, activated.
+def model_dims(model: str | dict | DenseConfig | ModelDims) -> ModelDims:
+    """Dimensions of a model given as an alias, a ``config.json`` path, an HF model directory or an HF config dict.
+
+    Aliases resolve through the model registry (``xtl.model.get_model_config``); a ``config.json`` goes through the
+    registry's family for its ``model_type`` and that family's transformers config class.
 
     Args:
-        dims (ModelDims): Model dimensions.
+        model (str | dict | DenseConfig | ModelDims): The model.
 
     Returns:
-        dict[str, int]: Counts; ``experts`` is the routed-expert share of ``mlp``; ``activated`` is what one token
-        uses (top-k routed experts instead of all).
+        ModelDims: Its dimensions (named after the alias, the model directory or the config class).
+
+    Raises:
+        ToolInputError: Unknown alias (the message lists the known ones), unsupported ``model_type`` or invalid
+            config.
     """
-    layers = range(dims.num_layers)
-    attn = dims.attn_params() * dims.num_layers
-    mlp = sum(dims.mlp_params(i) for i in layers)
-    embed, head = dims.embed_params(), dims.head_params()
-    total = embed + attn + mlp + head
-    activated = embed + attn + head + sum(dims.mlp_params(i, experts_per_token=True) for i in layers)
-    experts = sum(dims.expert_params(i) for i in layers)
-    return {
-        "embedding": embed,
-        "attention": attn,
-        "mlp": mlp,
-        "experts": experts,
-        "head": head,
-        "total": total,
-        "activated": activated,
-    }
+    if isinstance(model, ModelDims):
+        return model
+    if isinstance(model, dict):
+        return ModelDims.from_config(_config_from_hf_dict(model, "config"), str(model.get("model_type", "model")))
+    if not isinstance(model, str):
+        return ModelDims.from_config(model)
+    path = Path(model)
+    if path.is_dir():
+        path = path / "config.json"
+        if not path.is_file():
+            raise ToolInputError(f"{path.parent} holds no config.json")
+    if path.is_file():
+        try:
+            fields = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ToolInputError(f"{path} is not valid JSON: {exc}") from exc
+        return ModelDims.from_config(_config_from_hf_dict(fields, str(path)), path.parent.name or str(path))
+    try:
+        return ModelDims.from_config(get_model_config(model), model)
+    except KeyError:
+        raise ToolInputError(
+            f"{model!r} is neither a config.json path, an HF model directory nor a known alias "
+            f"(aliases: {', '.join(alias_names())})"
+        ) from None
+
+
+def measure_activations(seq_len: int = 256, config: dict | None = None, seed: int = 0) -> MeasureResult:
+    """Measure the activations autograd saves for a tiny dense model and compare them with this estimator.
+
+    See :mod:`xtl.tools._memory_measure`.
+
+    Args:
+        seq_len (int): Tokens in the single sequence.
+        config (dict | None): HF Qwen3 fields (defaults to a scaled-down Qwen3).
+        seed (int): Seed for weights and tokens.
+
+    Returns:
+        MeasureResult: Measured and formula bytes.
+    """
+    from xtl.tools._memory_measure import compare_with_autograd
+
+    return compare_with_autograd(_forward_activation_bytes, seq_len, config, seed)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -246,8 +296,6 @@ def run(args: argparse.Namespace) -> int:
         int: Exit code.
     """
     if args.measure:
-        from xtl.tools._memory_measure import measure_activations
-
         result = measure_activations(seq_len=args.seq_len or 256)
         print(json.dumps(result.to_dict(), indent=2) if args.format == "json" else result.render())
         return EXIT_OK if result.ok else EXIT_FAILED
@@ -283,18 +331,32 @@ def main(argv: list[str] | None = None) -> int:
     Returns:
         int: Exit code (0 ok, 1 --measure out of tolerance, 2 usage or input error).
     """
-    parser = make_parser("xtl memory", "Estimate per-GPU training memory of an HF causal LM.", EXAMPLES)
+    epilog = EXAMPLES.format(aliases=", ".join(alias_names()), exit_codes=EXIT_CODES_HELP)
+    parser = make_parser("xtl memory", "Estimate per-GPU training memory of an HF causal LM.", epilog)
     add_arguments(parser)
     return run_cli(parser, argv, run)
 
 
-def _as_dims(model: str | dict | ModelDims) -> ModelDims:
-    if isinstance(model, ModelDims):
-        return model
-    if isinstance(model, dict):
-        return ModelDims.from_hf(str(model.get("model_type", "model")), model)
-    name, cfg = resolve_model(model)
-    return ModelDims.from_hf(name, cfg)
+def _config_from_hf_dict(fields: dict, where: str) -> DenseConfig:
+    model_type = fields.get("model_type")
+    if model_type not in MODEL_TYPES:
+        raise ToolInputError(
+            f"{where} lacks a supported model_type (got {model_type!r}; supported: {', '.join(sorted(MODEL_TYPES))})"
+        )
+    cls = MODEL_TYPES[model_type]
+    try:
+        return cls.from_hf_config(cls.hf_config_class.from_dict(fields))
+    except (KeyError, TypeError, ValueError, StrictDataclassError) as exc:  # transformers validates field types
+        raise ToolInputError(f"{where} has an invalid field: {exc}") from exc
+
+
+def _forward_activation_bytes(config: dict, seq_len: int) -> float:
+    """Activation bytes of one fp32 forward without recomputation, of the dense model with HF fields ``config``."""
+    dims = model_dims(config)
+    setup = TrainSetup(nodes=1, gpus_per_node=1, seq_len=seq_len, recompute=False, act_bytes=4)
+    parts = estimate_memory(dims, setup).parts
+    layer = parts["layer_attn"]["acts"] + parts["layer_mlp"]["acts"]
+    return parts["embed"]["acts"] + parts["head"]["acts"] + layer * dims.num_layers
 
 
 def _validate(dims: ModelDims, s: TrainSetup) -> None:
@@ -336,7 +398,7 @@ class _Estimator:
         return MemoryEstimate(
             model=self.d.name,
             setup=self.s,
-            params=parameter_counts(self.d),
+            params=self.d.parameter_counts(),
             parts=self._parts(0 if self.s.pp == 1 else self.s.pp - 1),
             phases=phases,
             peak_mb1=mb1,
@@ -360,25 +422,23 @@ class _Estimator:
         """(attention, non-expert mlp, routed experts) local parameter counts of one layer."""
         d, s = self.d, self.s
         experts = d.expert_params(layer)
-        return d.attn_params() / s.tp, (d.mlp_params(layer) - experts) / s.tp, experts / s.ep
+        return d.attention_params() / s.tp, (d.mlp_params(layer) - experts) / s.tp, experts / s.ep
 
     def _layer_part(self, layer: int, which: str) -> dict[str, float]:
         attn, mlp, experts = self._layer_counts(layer)
         if which == "attn":
             part = self._full(attn) | self._states(attn, 0)
-            act = self.d.attn_act_bytes(self.s.act_bytes, self.s.flash_attn) * self.tokens
-            if not self.s.flash_attn:
-                act += self.d.attn_score_bytes(self.s.act_bytes, self.s.seq_len) * self.tokens
+            act = self._attn_act_bytes() * self.tokens
         else:
             part = self._full(mlp + experts) | self._states(mlp, experts)
-            act = self.d.mlp_act_bytes(layer, self.s.act_bytes, self.s.capacity) * self.tokens
+            act = self._mlp_act_bytes(layer) * self.tokens
         return part | {"acts": act}
 
     def _layer_acts(self, layer: int) -> float:
         return self._layer_part(layer, "attn")["acts"] + self._layer_part(layer, "mlp")["acts"]
 
     def _embed_part(self) -> dict[str, float]:
-        count = self.d.embed_params() / self.s.tp
+        count = self.d.embedding_params() / self.s.tp
         return self._full(count) | self._states(count, 0) | {"acts": self.tokens * INDEX_BYTES}
 
     def _head_part(self) -> dict[str, float]:
@@ -387,10 +447,11 @@ class _Estimator:
         loss_tokens = s.micro_batch_size * s.seq_len
         if s.chunk_loss > 0:
             loss_tokens = min(loss_tokens, s.chunk_loss)
-        acts = d.head_act_bytes(s.act_bytes) * self.tokens + d.loss_bytes(loss_tokens) / s.tp
+        acts = (2 * d.hidden_size * s.act_bytes + FP32) * self.tokens  # final norm input and output, rstd
+        acts += loss_tokens * d.vocab_size * FP32 / s.tp  # fp32 log-probabilities kept by the cross-entropy
         part = self._full(count) | self._states(count, 0) | {"acts": acts}
         if d.tie_word_embeddings:  # the tied embedding weight is gathered for the head, its states live in embed
-            part["params"] += d.embed_params() / s.tp * s.param_bytes
+            part["params"] += d.embedding_params() / s.tp * s.param_bytes
         return part
 
     def _stage_layers(self, stage: int) -> range:
@@ -419,6 +480,37 @@ class _Estimator:
             "acts": self.tokens * self.d.hidden_size * self.s.act_bytes
         }
         return rows
+
+    # ---- activations (bytes per token of one micro-batch, full tensor before tp) ------------------------------
+    def _attn_act_bytes(self) -> float:
+        """Bytes one token keeps for the backward of one attention block, with its input norm."""
+        d, act = self.d, self.s.act_bytes
+        h, a = d.hidden_size, d.num_heads
+        norm = 2 * h * act + FP32  # input, output (kept by the q/k/v projections), rstd
+        lse = a * FP32 if self.s.flash_attn else a * self.s.seq_len * act  # log-sum-exp, or the probabilities
+        if d.is_mla:
+            lora = (2 * d.q_lora_rank + 2 * d.kv_lora_rank) * act  # q_a / kv_a norm inputs and outputs
+            lora += FP32 * ((1 if d.q_lora_rank else 0) + 1)  # q_a / kv_a norm rstd
+            core = (2 * a * d.qk_head_dim + 2 * a * d.v_head_dim) * act  # q, k, v, output
+            return norm + lora + core + lse
+        qd, kd = a * d.head_dim, d.num_kv_heads * d.head_dim
+        qk_norm = ((qd + kd) * act + (a + d.num_kv_heads) * FP32) if d.qk_norm else 0
+        core = (qd + kd + kd + qd) * act  # q and k after RoPE, v, output (o_proj input)
+        return norm + qk_norm + core + lse
+
+    def _mlp_act_bytes(self, layer: int) -> float:
+        """Bytes one token keeps for the backward of one MLP / MoE block, with its post-attention norm."""
+        d, act = self.d, self.s.act_bytes
+        h = d.hidden_size
+        norm = 2 * h * act + FP32
+        if not d.is_moe_layer(layer):
+            return norm + 3 * d.intermediate_size * act  # gate, up, down input
+        k, i = d.experts_per_token, d.moe_intermediate_size
+        router = d.num_experts * FP32 + k * (FP32 + INDEX_BYTES)  # scores, top-k weights, permutation indices
+        routed = self.s.capacity * k * (h + 3 * i) * act  # permuted input, gate, up, down input
+        combine = k * h * act  # expert outputs, needed for the gradient of the top-k weights
+        shared = 3 * d.shared_intermediate_size * act
+        return norm + router + routed + combine + shared
 
     # ---- phases ------------------------------------------------------------------------------------------------
     def _phases(self, stage: int) -> dict[str, Phase]:

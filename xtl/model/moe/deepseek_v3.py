@@ -63,6 +63,16 @@ class DeepSeekV3Config(MoEConfig):
         return self.moe_intermediate_size * self.n_shared_experts
 
     @property
+    def router_bias(self) -> bool:
+        """The router keeps a per-expert score-correction bias (a checkpoint tensor)."""
+        return True
+
+    @property
+    def is_mla(self) -> bool:
+        """Attention is multi-head latent attention (``q_lora_rank``, ``kv_lora_rank``, ``qk_*_head_dim``, ...)."""
+        return True
+
+    @property
     def softmax_scale(self) -> float:
         """``qk_head_dim**-0.5``, times ``mscale**2`` for scaled rotary with ``mscale_all_dim`` (transformers)."""
         scale = (self.qk_nope_head_dim + self.qk_rope_head_dim) ** -0.5

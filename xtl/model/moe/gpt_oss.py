@@ -82,6 +82,21 @@ class GptOssMoEConfig(MoEConfig):
         return self.intermediate_size
 
     @property
+    def attention_sinks(self) -> bool:
+        """A learned sink logit per attention head."""
+        return True
+
+    @property
+    def router_bias(self) -> bool:
+        """The router gate has a bias."""
+        return True
+
+    @property
+    def expert_bias(self) -> bool:
+        """The routed experts' projections have biases."""
+        return True
+
+    @property
     def norm_class(self) -> type[RMSNorm]:
         return Fp32ScaleRMSNorm
 

@@ -1,0 +1,86 @@
+"""Tests for the ``Throughput`` callback: FLOPs per token from the shared model dimensions, and what it logs."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from xtl.callbacks import throughput
+from xtl.callbacks.throughput import Throughput
+from xtl.model import get_model_config
+from xtl.model.dense import LlamaDenseConfig, Qwen3DenseConfig
+from xtl.model.moe import DeepSeekV3Config, Qwen3MoEConfig
+from xtl.tools.memory import estimate_memory
+
+# Tiny Llama: h 16, 4 heads of 4 dims, 2 key/value heads, MLP 32, 2 layers, vocab 100.
+TINY = dict(
+    vocab_size=100, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2,
+)  # fmt: skip
+
+
+class TestFlopsPerToken:
+    @pytest.mark.parametrize(
+        ("alias", "qk_dim", "v_dim"), [("qwen3-8b", 128, 128), ("qwen3-30b-a3b", 128, 128), ("deepseek-v3", 192, 128)]
+    )
+    def test_equals_the_memory_tools_parameter_count(self, alias: str, qk_dim: int, v_dim: int) -> None:
+        config, seq = get_model_config(alias), 4096
+        params = estimate_memory(alias).params  # activated = top-k routed experts only; MLA q/k dims nope + rope
+        tied_head = config.vocab_size * config.hidden_size if config.tie_word_embeddings else 0
+        n = params["activated"] - params["embedding"] + tied_head
+        attn = 6 * config.num_hidden_layers * config.num_attention_heads * (qk_dim + v_dim) * seq / 2
+        assert Throughput().flops_per_token(config, seq) == pytest.approx(6 * n + attn, rel=1e-12)
+        if params["experts"]:
+            assert n < 0.2 * (params["total"] - params["embedding"])  # far below the total for MoE
+
+    def test_tiny_dense_by_hand(self) -> None:
+        # per layer: input norm 16 + q 16*16 + k 16*8 + v 16*8 + o 16*16 = 784; MLP: norm 16 + 3*16*32 = 1552
+        # N = 2 * (784 + 1552) + final norm 16 + head 100*16 = 6288
+        # attention at L = 10: 6 * 4 heads * (4 + 4) dims * L/2 keys * 2 layers = 1920
+        assert Throughput().flops_per_token(LlamaDenseConfig(**TINY), 10) == 6 * 6288 + 1920
+        tied = LlamaDenseConfig(**TINY, tie_word_embeddings=True)
+        assert Throughput().flops_per_token(tied, 10) == 6 * 6288 + 1920, "a tied head costs the same matmul"
+
+    def test_tiny_moe_by_hand(self) -> None:
+        moe = Qwen3MoEConfig(**TINY, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8, head_dim=4)
+        # attention 784 + q/k norms 2*4 = 792; MoE: norm 16 + router 4*16 + 2 of 4 experts * 3*16*8 = 848
+        # N = 2 * (792 + 848) + 16 + 1600 = 4896
+        assert Throughput().flops_per_token(moe, 10) == 6 * 4896 + 1920
+
+    def test_tiny_mla_attention_by_hand(self) -> None:
+        fields = dict(q_lora_rank=8, kv_lora_rank=8, qk_nope_head_dim=6, qk_rope_head_dim=2, v_head_dim=5)
+        mla = DeepSeekV3Config(**TINY, **fields, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1)
+        flops = Throughput().flops_per_token
+        # only the attention term grows with L: 6 * 4 heads * (6 + 2 + 5) * (L/2) * 2 layers per token
+        assert flops(mla, 20) - flops(mla, 10) == pytest.approx(6 * 4 * 13 * 5 * 2)
+
+    def test_sliding_window_layers_attend_to_fewer_keys(self) -> None:
+        full = Qwen3DenseConfig(**TINY, head_dim=4)
+        windowed = Qwen3DenseConfig(**TINY, head_dim=4, use_sliding_window=True, sliding_window=4, max_window_layers=1)
+        # layer 1 slides with w = 4 at L = 10: w - w^2 / 2L = 3.2 keys per query instead of L/2 = 5
+        diff = Throughput().flops_per_token(full, 10) - Throughput().flops_per_token(windowed, 10)
+        assert diff == pytest.approx(6 * 4 * 8 * (5 - 3.2))
+
+
+class TestLogging:
+    def test_logs_tflops_and_mfu_of_the_step(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        clock = iter([100.0, 102.0])
+        monkeypatch.setattr(throughput, "time", SimpleNamespace(perf_counter=lambda: next(clock)))
+        logged = []
+        logger = SimpleNamespace(log_metrics=lambda metrics, step: logged.append((metrics, step)))
+        trainer = SimpleNamespace(loggers=[logger], global_step=7)
+        config = LlamaDenseConfig(**TINY)
+        module = SimpleNamespace(model_config=config)
+        batch = [
+            SimpleNamespace(num_real_tokens=30, seq_ctx=SimpleNamespace(seq_len=10)),
+            SimpleNamespace(num_real_tokens=8, seq_ctx=SimpleNamespace(seq_len=8)),
+        ]
+        callback = Throughput(peak_tflops=1e-6)
+        callback.on_train_batch_start(trainer, module, batch, 0)
+        callback.on_train_batch_end(trainer, module, None, batch, 0)
+        ((metrics, step),) = logged
+        tflops = 38 * (6 * 6288 + 1920) / 2.0 / 1e12  # longest sequence of the step: 10 tokens
+        assert step == 7
+        assert metrics["train/tflops_per_device"] == pytest.approx(tflops)
+        assert metrics["train/mfu"] == pytest.approx(tflops / 1e-6)
