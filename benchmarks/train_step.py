@@ -269,7 +269,7 @@ def run_xtl(cfg: BenchConfig) -> SideResult:
     import lightning.pytorch as pl
 
     from xtl.data import XTLDataModule
-    from xtl.train import CausalLM
+    from xtl.train import AdamWConfig, CausalLM
 
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)  # after import: Lightning sets INFO on import
 
@@ -288,7 +288,7 @@ def run_xtl(cfg: BenchConfig) -> SideResult:
     dm = _datamodule(cfg, XTLDataModule)
     dm.prepare_data()
     dm.setup()
-    module = CausalLM(model=cfg.hf_dir, lr=1e-4, warmup_steps=0, max_grad_norm=1.0, seed=cfg.seed)
+    module = CausalLM(model=cfg.hf_dir, optimizer=AdamWConfig(lr=1e-4), max_grad_norm=1.0, seed=cfg.seed)
     clock = StepClock()
     trainer = pl.Trainer(
         accelerator="cpu",

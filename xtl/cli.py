@@ -4,9 +4,9 @@ Examples::
 
     xtl fit --config configs/tiny_sft.yaml
     xtl fit --config configs/tiny_sft.yaml --config callbacks/eval.yaml --config callbacks/hf_export.yaml
-    xtl fit --config runs/tiny_sft/version_0/config.yaml --ckpt_path last      # resume exactly
+    xtl fit --config runs/tiny_sft/logs/version_0/config.yaml --ckpt_path last      # resume exactly
     xtl validate --config configs/tiny_sft.yaml --ckpt_path runs/tiny_sft/checkpoints/last.ckpt
-    xtl memory qwen3-8b --dp 8 --seq-len 32768
+    xtl memory qwen3-8b --gpus-per-node 8 --seq-len 32768
     xtl convert to-fp8 --help
 """
 
@@ -14,13 +14,33 @@ from __future__ import annotations
 
 import sys
 import warnings
+from pathlib import Path
 
+import yaml
+from jsonargparse import set_parsing_settings
 from lightning.pytorch.cli import LightningCLI
 
 from xtl.data import XTLDataModule
 from xtl.train import LanguageModule
+from xtl.train.optim import OptimizerConfig
 
 LIGHTNING_SUBCOMMANDS = ("fit", "validate", "test", "predict")
+
+# Model arguments that were grouped into ``optimizer`` / ``schedule``: old key -> new key (under model.init_args).
+MOVED_MODEL_KEYS = {
+    "lr": "optimizer.lr",
+    "weight_decay": "optimizer.weight_decay",
+    "betas": "optimizer.betas",
+    "eps": "optimizer.eps",
+    "no_decay_norm_bias_embed": "optimizer.no_decay_norm_bias_embed",
+    "lr_schedule": "schedule.kind",
+    "warmup_steps": "schedule.warmup_steps",
+    "min_lr_ratio": "schedule.min_lr_ratio",
+    "lr_decay_steps": "schedule.decay_steps",
+}
+
+# An optimizer is any OptimizerConfig subclass, chosen in YAML by class_path (AdamWConfig by default).
+set_parsing_settings(subclasses_enabled=[OptimizerConfig])
 
 # xtl checkpoints the state after each optimizer step on purpose (one training_step is one optimizer step, and
 # resuming from it is exact); Lightning's advice to save pre-optimization state does not apply.
@@ -59,8 +79,55 @@ def main(argv: list[str] | None = None) -> int:
         print(__doc__)
         if not argv:
             return 2
+    moved = moved_key_error(argv)
+    if moved:
+        print(f"xtl: error: {moved}", file=sys.stderr)
+        return 2
     XTLCLI(args=argv if explicit else None)
     return 0
+
+
+def moved_key_error(argv: list[str]) -> str | None:
+    """A message naming the new key when ``argv`` or a ``--config`` file uses a model key that has moved."""
+    for i, arg in enumerate(argv):
+        if arg == "--config" and i + 1 < len(argv) or arg.startswith("--config="):
+            path = Path(arg.split("=", 1)[1] if "=" in arg else argv[i + 1])
+            found = _moved_in_yaml(path)
+            if found:
+                return f"{path}: {found}"
+        elif arg.startswith("--model."):
+            key = arg[2:].split("=", 1)[0]
+            found = _moved(key.removeprefix("model.").removeprefix("init_args."), "--model.init_args.")
+            if found:
+                return found
+    return None
+
+
+def _moved_in_yaml(path: Path) -> str | None:
+    try:
+        config = yaml.safe_load(path.read_text()) if path.is_file() else None
+    except yaml.YAMLError:
+        return None  # the CLI's own parser reports malformed YAML
+    model = config.get("model") if isinstance(config, dict) else None
+    if not isinstance(model, dict):
+        return None
+    args, prefix = (
+        (model["init_args"], "model.init_args.") if isinstance(model.get("init_args"), dict) else (model, "model.")
+    )
+    for key in args:
+        found = _moved(key, prefix)
+        if found:
+            return found
+    return None
+
+
+def _moved(key: str, prefix: str) -> str | None:
+    if key not in MOVED_MODEL_KEYS:
+        return None
+    return (
+        f"{prefix}{key} has moved to {prefix}{MOVED_MODEL_KEYS[key]} (optimizer and learning-rate schedule settings "
+        "are grouped under optimizer: and schedule:, see docs/configs.md)"
+    )
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+import xtl.cli
 from xtl.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -81,6 +82,37 @@ class TestConfigsParse:
             != 0
         )
         assert "lrr" in capsys.readouterr().err
+
+    def test_a_moved_flat_key_names_its_new_key(self, tmp_path, capsys):
+        old = tmp_path / "old.yaml"
+        old.write_text("model:\n  class_path: xtl.train.CausalLM\n  init_args:\n    warmup_steps: 10\n")
+        args = ["fit", "--config", str(ROOT / "configs/tiny_sft.yaml"), "--config", str(old), "--print_config"]
+        assert _run_main(args) == 2
+        err = capsys.readouterr().err
+        assert "model.init_args.warmup_steps has moved to model.init_args.schedule.warmup_steps" in err
+        assert str(old) in err
+        assert _run_main(["fit", "--config", str(ROOT / "configs/tiny_sft.yaml"), "--model.init_args.lr=0.1"]) == 2
+        assert "--model.init_args.lr has moved to --model.init_args.optimizer.lr" in capsys.readouterr().err
+
+    def test_optimizer_is_chosen_by_class_path(self, tmp_path, capsys):
+        args = [
+            "fit",
+            "--config",
+            str(ROOT / "configs/tiny_sft.yaml"),
+            "--model.init_args.optimizer.lr",
+            "0.25",
+            "--print_config",
+        ]
+        assert _run_main(args) == 0
+        out = capsys.readouterr().out
+        assert "class_path: xtl.train.AdamWConfig" in out and "lr: 0.25" in out
+
+    def test_help_examples_of_the_tools_run(self, capsys):
+        examples = [line.split()[1:] for line in xtl.cli.__doc__.splitlines() if line.strip().startswith("xtl ")]
+        tools = [args for args in examples if args[0] not in ("fit", "validate", "test", "predict")]
+        assert tools, "xtl --help shows tool examples"
+        for args in tools:
+            assert main(args) == 0, f"xtl {' '.join(args)}"
 
     def test_tools_are_dispatched(self, capsys):
         assert _run_main(["memory", "--help"]) == 0
@@ -158,7 +190,7 @@ class TestFSDPResume:
             str(ROOT / "callbacks/hf_export.yaml"),
             "--trainer.max_steps",
             str(max_steps),
-            "--model.init_args.lr_decay_steps",
+            "--model.init_args.schedule.decay_steps",
             "10",
             "--data.cache_dir",
             str(cache),

@@ -13,9 +13,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from transformers import AutoModelForCausalLM
 
 from xtl.callbacks import HFExport
+from xtl.ops import hf_impl
 from xtl.strategies import AtomicCheckpointIO
-from xtl.train import CausalLM, MoECausalLM
-from xtl.utils import hf_impl
+from xtl.train import AdamWConfig, CausalLM, MoECausalLM, ScheduleConfig
 
 from .conftest import TINY_MODEL
 
@@ -64,7 +64,7 @@ class TestNaNSkip:
             def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
                 snapshots[batch_idx] = copy.deepcopy(pl_module.model.state_dict())
 
-        module = NaNAtStep(model=TINY_MODEL, lr=1e-2)
+        module = NaNAtStep(model=TINY_MODEL, optimizer=AdamWConfig(lr=1e-2))
         trainer = make_trainer(5, callbacks=[Snapshot()])
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -85,7 +85,7 @@ class TestNaNSkip:
 class TestHFExport:
     def test_exported_dir_loads_in_transformers_with_equal_logits(self, make_datamodule, make_trainer, tmp_path):
         export = HFExport(dirpath=str(tmp_path / "hf"), every_n_steps=2, at_end=True)
-        module = CausalLM(model=TINY_MODEL, lr=1e-2)
+        module = CausalLM(model=TINY_MODEL, optimizer=AdamWConfig(lr=1e-2))
         trainer = make_trainer(3, callbacks=[export])
         trainer.fit(module, datamodule=make_datamodule())
         assert [p.name for p in export.exported] == ["step_2", "final"]
@@ -121,7 +121,12 @@ class TestExactResume:
         )
         pl.seed_everything(0)
         trainer.fit(
-            CausalLM(model=TINY_MODEL, lr=5e-3, warmup_steps=2, max_grad_norm=1.0),
+            CausalLM(
+                model=TINY_MODEL,
+                optimizer=AdamWConfig(lr=5e-3),
+                schedule=ScheduleConfig(warmup_steps=2),
+                max_grad_norm=1.0,
+            ),
             datamodule=make_datamodule(),
             ckpt_path=ckpt_path,
         )
@@ -144,7 +149,7 @@ class TestMoECausalLM:
             "num_experts_per_tok": 2,
             "moe_intermediate_size": 16,
         }
-        module = MoECausalLM(model=model, lr=1e-2, balance_loss_coef=0.01, z_loss_coef=0.001)
+        module = MoECausalLM(model=model, optimizer=AdamWConfig(lr=1e-2), balance_loss_coef=0.01, z_loss_coef=0.001)
         trainer = make_trainer(3)
         trainer.fit(module, datamodule=make_datamodule())
         metrics = trainer.callback_metrics

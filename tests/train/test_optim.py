@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
+import torch
 
 from xtl.train import resolve_model_config
-from xtl.train.optim import lr_lambda, param_groups
+from xtl.train.optim import AdamWConfig, OptimizerConfig, ScheduleConfig, lr_lambda, param_groups
 
 from .conftest import TINY_MODEL
 
@@ -44,5 +46,32 @@ class TestSchedules:
         assert lr_lambda("constant", 5, 100, 0.0)(50) == 1.0
 
     def test_unknown_schedule(self):
-        with pytest.raises(ValueError, match="unknown lr_schedule"):
+        with pytest.raises(ValueError, match="unknown schedule"):
             lr_lambda("exponential", 0, 10, 0.0)
+
+    def test_schedule_config_rejects_an_unknown_kind(self):
+        with pytest.raises(ValueError, match="schedule.kind"):
+            ScheduleConfig(kind="exponential")
+
+
+class TestOptimizerConfig:
+    def test_adamw_config_builds_adamw_with_its_settings_and_groups(self):
+        config, _ = resolve_model_config(TINY_MODEL)
+        opt = AdamWConfig(lr=3e-3, weight_decay=0.05, betas=(0.8, 0.9), eps=1e-6).build(
+            config.build(), torch.device("cpu")
+        )
+        assert isinstance(opt, torch.optim.AdamW)
+        assert [g["weight_decay"] for g in opt.param_groups] == [0.05, 0.0]
+        assert {g["lr"] for g in opt.param_groups} == {3e-3} and opt.defaults["betas"] == (0.8, 0.9)
+
+    def test_a_new_optimizer_is_a_new_class(self):
+        @dataclasses.dataclass
+        class SGDConfig(OptimizerConfig):
+            momentum: float = 0.9
+
+            def create(self, groups, device):
+                return torch.optim.SGD(groups, lr=self.lr, momentum=self.momentum)
+
+        config, _ = resolve_model_config(TINY_MODEL)
+        opt = SGDConfig(lr=0.5).build(config.build(), torch.device("cpu"))
+        assert isinstance(opt, torch.optim.SGD) and opt.defaults["momentum"] == 0.9

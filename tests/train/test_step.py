@@ -12,6 +12,7 @@ import torch.multiprocessing as mp
 
 from xtl.model import SequenceContext
 from xtl.ops import shift_labels
+from xtl.strategies.parallelize import fully_shard_model
 from xtl.train import resolve_model_config
 from xtl.train.step import forward_backward, grad_norm_and_clip
 
@@ -73,7 +74,7 @@ def _fsdp_worker(rank: int, world: int, port: int, out_path: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     model = _model()
-    model.fully_shard(init_device_mesh("cpu", (world,)))
+    fully_shard_model(model, mesh=init_device_mesh("cpu", (world,)))
     batches = _micro_batches()[2 * rank : 2 * rank + 2]
     result = _step(model, batches, world)
     norm = grad_norm_and_clip(list(model.parameters()), None)
@@ -82,7 +83,7 @@ def _fsdp_worker(rank: int, world: int, port: int, out_path: str) -> None:
     config, _ = resolve_model_config(MODEL)
     with torch.device("meta"):
         sharded = config.build()
-    sharded.fully_shard(init_device_mesh("cpu", (world,)))
+    fully_shard_model(sharded, mesh=init_device_mesh("cpu", (world,)))
     sharded.materialize("cpu")
     torch.manual_seed(0)
     sharded.init_weights()

@@ -9,18 +9,22 @@ from typing import Any, Literal
 
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
-from torch import nn
+
+from xtl.strategies.parallelize import ShardedStrategyMixin
 
 DtypeName = Literal["float32", "bfloat16", "float16"]
 
 
-class FSDPStrategy(ModelParallelStrategy):
+class FSDPStrategy(ShardedStrategyMixin, ModelParallelStrategy):
     """Fully sharded data parallelism (FSDP2 ``fully_shard``) with explicit sizes and mixed precision.
 
     The data-parallel mesh is ``data_parallel_replicate_size x data_parallel_shard_size`` (HSDP when the
-    replicate size is > 1); their product must equal the world size. Models are sharded per decoder layer, then
-    the root (``BaseModel.fully_shard``). Checkpoints are DCP directories written atomically (temporary name, then
-    rename), so a run killed mid-save resumes from the previous good checkpoint.
+    replicate size is > 1); their product must equal the world size. It owns the ``parallelize`` sequence
+    (:class:`~xtl.strategies.parallelize.ParallelizingStrategy`): the model's shard units (decoder layers) are
+    sharded, then the root.
+
+    Checkpoints are DCP directories written atomically (temporary name, then rename), so a run killed mid-save
+    resumes from the previous good checkpoint.
 
     Args:
         data_parallel_shard_size: Ranks a parameter is sharded over (``"auto"``: world size / replicate size).
@@ -83,16 +87,19 @@ class FSDPStrategy(ModelParallelStrategy):
                 self.root_device.type, (replicate, shard), mesh_dim_names=("dp_replicate", "dp_shard")
             )
 
-    def shard_model(self, model: nn.Module) -> nn.Module:
-        """Apply FSDP2 to an xtl model (called by ``LanguageModule.configure_model`` before materialization)."""
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+    def fsdp_kwargs(self) -> dict:
+        """``fully_shard`` arguments: the data-parallel mesh, mixed precision, resharding and CPU offload."""
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
-        mp_policy = MixedPrecisionPolicy(
-            param_dtype=getattr(torch, self.param_dtype) if self.param_dtype else None,
-            reduce_dtype=getattr(torch, self.reduce_dtype) if self.reduce_dtype else None,
-        )
-        offload = CPUOffloadPolicy() if self.cpu_offload else None
-        return model.fully_shard(self.dp_mesh, mp_policy, self.reshard_after_forward, offload)
+        return {
+            "mesh": self.dp_mesh,
+            "mp_policy": MixedPrecisionPolicy(
+                param_dtype=getattr(torch, self.param_dtype) if self.param_dtype else None,
+                reduce_dtype=getattr(torch, self.reduce_dtype) if self.reduce_dtype else None,
+            ),
+            "reshard_after_forward": self.reshard_after_forward,
+            "offload_policy": CPUOffloadPolicy() if self.cpu_offload else OffloadPolicy(),
+        }
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any = None) -> None:
         """Write to a temporary sibling, then replace ``filepath`` atomically (rank 0 renames)."""

@@ -4,5 +4,15 @@ from xtl.train.base import LanguageModule
 from xtl.train.causal_lm import CausalLM
 from xtl.train.model_spec import resolve_model_config, resolve_path
 from xtl.train.moe_causal_lm import MoECausalLM
+from xtl.train.optim import AdamWConfig, OptimizerConfig, ScheduleConfig
 
-__all__ = ["CausalLM", "LanguageModule", "MoECausalLM", "resolve_model_config", "resolve_path"]
+__all__ = [
+    "AdamWConfig",
+    "CausalLM",
+    "LanguageModule",
+    "MoECausalLM",
+    "OptimizerConfig",
+    "ScheduleConfig",
+    "resolve_model_config",
+    "resolve_path",
+]

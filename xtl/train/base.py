@@ -13,8 +13,9 @@ import torchmetrics
 from torch import nn
 
 from xtl.model import BaseModel, ModelOutput
+from xtl.strategies.parallelize import ModelTransform, ParallelizingStrategy, SingleDevice, WeightSource
 from xtl.train.model_spec import resolve_model_config
-from xtl.train.optim import Schedule, build_adamw, lr_lambda, param_groups
+from xtl.train.optim import AdamWConfig, OptimizerConfig, ScheduleConfig
 from xtl.train.step import StepResult, forward_backward, grad_norm_and_clip
 
 
@@ -23,29 +24,20 @@ class LanguageModule(pl.LightningModule):
 
     Manual optimization: each ``training_step`` runs forward/backward on every micro-batch with the loss scaled by
     the global supervised-token count (all-reduced over data-parallel ranks), clips the gradient norm (DTensor
-    aware), and steps AdamW and the scheduler. A non-finite gradient norm skips the step (counted, logged,
+    aware), and steps the optimizer and the scheduler. A non-finite gradient norm skips the step (counted, logged,
     warned) and leaves the weights untouched.
 
-    ``configure_model`` builds the model on ``meta``, applies model transforms contributed by callbacks (any
-    callback with a ``transform_model(model, module) -> model`` method, in callback order), shards it through the
-    strategy when it has a ``shard_model`` method (xtl's ``FSDPStrategy``), then loads ``model`` weights from an HF
-    directory or initializes them from ``seed``.
+    ``configure_model`` builds the model on ``meta`` and hands it to the strategy's ordered ``parallelize``
+    sequence (:mod:`xtl.strategies.parallelize`) together with the model transforms contributed by callbacks; a
+    trainer strategy that is not an xtl one gets the single-device sequence.
 
     Args:
         model: HF model directory (config + weights), ``env:VAR``, registered alias, or
             ``{"model_type": ..., <config fields>}`` for a from-scratch model.
         model_overrides: Config fields to replace (e.g. ``{"attn_impl": "sdpa"}``).
         load_weights: Load weights when ``model`` is an HF directory (else initialize).
-        lr: Peak learning rate.
-        weight_decay: AdamW weight decay.
-        betas: AdamW betas.
-        eps: AdamW epsilon.
-        no_decay_norm_bias_embed: No weight decay on norms, biases and embeddings.
-        lr_schedule: ``cosine``, ``linear`` or ``constant`` after warmup.
-        warmup_steps: Linear warmup steps.
-        min_lr_ratio: Final learning rate as a fraction of ``lr`` (cosine/linear).
-        lr_decay_steps: Length of the schedule (default: ``trainer.max_steps``); set it to keep the schedule fixed
-            while training in several shorter runs.
+        optimizer: The optimizer and its settings (default AdamW; see :mod:`xtl.train.optim`).
+        schedule: Learning-rate warmup and decay.
         max_grad_norm: Clip the global gradient norm to this (``None``: no clipping, norm still logged).
         seed: Seed of weight initialization.
         param_dtype: Dtype of the parameters without FSDP mixed precision (``float32`` or ``bfloat16``).
@@ -56,15 +48,8 @@ class LanguageModule(pl.LightningModule):
         model: str | dict[str, Any],
         model_overrides: dict[str, Any] | None = None,
         load_weights: bool = True,
-        lr: float = 1e-4,
-        weight_decay: float = 0.1,
-        betas: tuple[float, float] = (0.9, 0.95),
-        eps: float = 1e-8,
-        no_decay_norm_bias_embed: bool = True,
-        lr_schedule: Schedule = "cosine",
-        warmup_steps: int = 0,
-        min_lr_ratio: float = 0.1,
-        lr_decay_steps: int | None = None,
+        optimizer: OptimizerConfig = AdamWConfig(),
+        schedule: ScheduleConfig = ScheduleConfig(),
         max_grad_norm: float | None = 1.0,
         seed: int = 0,
         param_dtype: Literal["float32", "bfloat16"] = "float32",
@@ -75,6 +60,8 @@ class LanguageModule(pl.LightningModule):
         self.model_config, self.hf_dir = resolve_model_config(model, model_overrides)
         if not load_weights:
             self.hf_dir = None
+        self.optimizer_config = optimizer
+        self.schedule = schedule
         self.model: BaseModel | None = None
         self.skipped_steps = 0
         self.tokens_seen = 0
@@ -83,30 +70,22 @@ class LanguageModule(pl.LightningModule):
     # ---- model -----------------------------------------------------------------------------------------------
 
     def configure_model(self) -> None:
-        """Build on meta, apply callback transforms, shard, then load or initialize (idempotent)."""
+        """Build on meta, then run the strategy's ordered ``parallelize`` sequence (idempotent)."""
         if self.model is not None:
             return
         with torch.device("meta"):
             model = self.model_config.build()
-        for callback in self._trainer_callbacks():
-            transform = getattr(callback, "transform_model", None)
-            if transform is not None:
-                model = transform(model, self)
+        transforms = [cb for cb in self._trainer_callbacks() if isinstance(cb, ModelTransform)]
+        weights = WeightSource(self.hf_dir, self.hparams.seed, getattr(torch, self.hparams.param_dtype))
+        self.model = self.parallelizer.parallelize(model, transforms, weights)
+
+    @property
+    def parallelizer(self) -> ParallelizingStrategy:
+        """The trainer's strategy when it is an xtl one, else the single-device sequence on this module's device."""
         strategy = self._trainer.strategy if self._trainer is not None else None
-        if hasattr(strategy, "shard_model"):
-            model = strategy.shard_model(model)
-        device = strategy.root_device if strategy is not None else torch.device("cpu")
-        if self.hf_dir is not None:
-            model.from_hf(self.hf_dir, device=device)
-        else:
-            model.materialize(device)
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(self.hparams.seed)
-                model.init_weights()
-        dtype = getattr(torch, self.hparams.param_dtype)
-        if not hasattr(strategy, "shard_model") and dtype != torch.float32:
-            model = model.to(dtype)
-        self.model = model
+        if isinstance(strategy, ParallelizingStrategy):
+            return strategy
+        return SingleDevice(strategy.root_device if strategy is not None else "cpu")
 
     def setup(self, stage: str) -> None:
         """Check that the datamodule's tokenizer fits the model's vocabulary (a clear error instead of an index
@@ -128,14 +107,9 @@ class LanguageModule(pl.LightningModule):
     # ---- optimization ----------------------------------------------------------------------------------------
 
     def configure_optimizers(self) -> dict[str, Any]:
-        """AdamW with parameter groups and a per-step warmup + decay schedule."""
-        hp = self.hparams
-        groups = param_groups(self.model, hp.weight_decay, hp.no_decay_norm_bias_embed)
-        optimizer = build_adamw(groups, hp.lr, tuple(hp.betas), hp.eps, self.device)
-        total = self._total_steps()
-        scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lr_lambda(hp.lr_schedule, hp.warmup_steps, total, hp.min_lr_ratio)
-        )
+        """The configured optimizer over weight-decay groups and a per-step warmup + decay schedule."""
+        optimizer = self.optimizer_config.build(self.model, self.device)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, self.schedule.lr_lambda(self._total_steps()))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def training_step(self, batch: list[Any], batch_idx: int) -> torch.Tensor:
@@ -227,13 +201,11 @@ class LanguageModule(pl.LightningModule):
         return int(kwargs.get("num_replicas", self.trainer.world_size))
 
     def _gradient_sync(self, enabled: bool) -> None:
-        setter = getattr(self.model, "set_requires_gradient_sync", None)
-        if setter is not None:
-            setter(enabled)
+        self.parallelizer.set_gradient_sync(self.model, enabled)
 
     def _total_steps(self) -> int:
-        if self.hparams.lr_decay_steps:
-            return int(self.hparams.lr_decay_steps)
+        if self.schedule.decay_steps:
+            return int(self.schedule.decay_steps)
         trainer = self._trainer
         if trainer is None:
             return 1

@@ -1,0 +1,160 @@
+"""The scale seam's contract: one ordered ``parallelize`` sequence and the two protocols that plug into it.
+
+A meta-device model becomes a trainable one in exactly this order (``ParallelizingStrategy.parallelize``):
+
+1. model transforms contributed by callbacks (``TransformStage.MODEL``: LoRA, fp8, ...), in callback order;
+2. activation checkpointing / offload (``TransformStage.ACTIVATION``);
+3. compile (``TransformStage.COMPILE``);
+4. expert parallelism (``ParallelizingStrategy.apply_expert_parallel``: experts split, dispatcher installed);
+5. data-parallel sharding (``ParallelizingStrategy.apply_data_parallel``: FSDP2 over the model's shard units);
+6. weight load (``from_hf``) or seeded initialization, then the parameter dtype.
+
+The two protocols are abstract base classes, so taking part is declared by subclassing, never discovered:
+
+- :class:`ModelTransform` -- a callback that transforms the model at its stage.
+- :class:`ParallelizingStrategy` -- a strategy that owns the sequence; its hooks say how experts and parameters are
+  distributed. :class:`SingleDevice` is the strategy-less default (one process, nothing distributed).
+
+``LanguageModule.configure_model`` only builds the model on ``meta`` and calls ``parallelize``; it knows nothing
+of the individual features.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import IntEnum
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+from xtl.model import BaseModel
+
+
+class TransformStage(IntEnum):
+    """Where a :class:`ModelTransform` runs in the ``parallelize`` sequence (lower runs first)."""
+
+    MODEL = 1
+    ACTIVATION = 2
+    COMPILE = 3
+
+
+class ModelTransform(ABC):
+    """A callback that changes the model before it is distributed (mix into a ``lightning.Callback``).
+
+    The model it receives is built on ``meta`` (no storage yet): a transform swaps or wraps modules, it does not
+    touch weights. It must keep parameter names (``named_parameters``) unchanged unless it adds parameters of its
+    own, so HF weights still load by name afterwards.
+
+    Attributes:
+        transform_stage: The stage the transform belongs to; within a stage, transforms run in callback order.
+    """
+
+    transform_stage: ClassVar[TransformStage] = TransformStage.MODEL
+
+    @abstractmethod
+    def transform_model(self, model: BaseModel) -> BaseModel:
+        """Return the transformed model (the same object, changed in place, or a new one)."""
+
+
+@dataclass
+class WeightSource:
+    """Where the weights come from once the model is distributed.
+
+    Attributes:
+        hf_dir: HF directory to load with ``from_hf``; ``None`` initializes from ``seed``.
+        seed: Seed of ``init_weights`` (each parameter derives its own seed from it and its name).
+        dtype: Parameter dtype when the strategy does not manage precision itself.
+    """
+
+    hf_dir: Path | None = None
+    seed: int = 0
+    dtype: torch.dtype = torch.float32
+
+
+class ParallelizingStrategy(ABC):
+    """A strategy that turns a meta-built model into a distributed, loaded one (mix into a Lightning strategy).
+
+    :meth:`parallelize` is the fixed sequence of the module docstring; subclasses override the hooks only.
+    ``root_device`` (the device this process computes on) comes from the Lightning strategy it is mixed into.
+    """
+
+    root_device: torch.device
+
+    def parallelize(self, model: BaseModel, transforms: Sequence[ModelTransform], weights: WeightSource) -> BaseModel:
+        """Run the ordered sequence on ``model`` (built on ``meta``) and return the trainable model."""
+        for transform in sorted(transforms, key=lambda t: t.transform_stage):  # stable: callback order per stage
+            model = transform.transform_model(model)
+        model = self.apply_expert_parallel(model)
+        model = self.apply_data_parallel(model)
+        if weights.hf_dir is not None:
+            model.from_hf(weights.hf_dir, device=self.root_device)
+        else:
+            model.materialize(self.root_device)
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(weights.seed)
+                model.init_weights()
+        return self.apply_param_dtype(model, weights.dtype)
+
+    def apply_expert_parallel(self, model: BaseModel) -> BaseModel:
+        """Split routed experts over the expert-parallel ranks (default: every expert stays on every rank)."""
+        return model
+
+    def apply_data_parallel(self, model: BaseModel) -> BaseModel:
+        """Shard or replicate parameters over the data-parallel ranks (default: nothing to do)."""
+        return model
+
+    def apply_param_dtype(self, model: BaseModel, dtype: torch.dtype) -> BaseModel:
+        """Give the parameters their training dtype (default: cast; sharding strategies use mixed precision)."""
+        return model if dtype == torch.float32 else model.to(dtype)
+
+    def set_gradient_sync(self, model: BaseModel, enabled: bool) -> None:  # noqa: B027 - a no-op by default
+        """Reduce gradients after the next backward (``False`` accumulates locally; default: nothing to sync)."""
+
+
+class SingleDevice(ParallelizingStrategy):
+    """The default when the trainer's strategy is not an xtl one: one process, the whole model on ``device``.
+
+    Args:
+        device: Where to materialize the model.
+    """
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self._device = torch.device(device)
+
+    @property
+    def root_device(self) -> torch.device:
+        """The device given at construction."""
+        return self._device
+
+
+class ShardedStrategyMixin(ParallelizingStrategy):
+    """Hooks shared by FSDP2 strategies: shard the model's shard units, then the root; mixed precision."""
+
+    @abstractmethod
+    def fsdp_kwargs(self) -> dict:
+        """``fully_shard`` keyword arguments (``mesh``, ``mp_policy``, ``offload_policy``, ...)."""
+
+    def apply_data_parallel(self, model: BaseModel) -> BaseModel:
+        """FSDP2 ``fully_shard`` on each shard unit the model names, then on the root."""
+        return fully_shard_model(model, **self.fsdp_kwargs())
+
+    def apply_param_dtype(self, model: BaseModel, dtype: torch.dtype) -> BaseModel:
+        """Parameters stay fp32 masters; FSDP's ``MixedPrecisionPolicy`` sets the compute dtype."""
+        return model
+
+    def set_gradient_sync(self, model: BaseModel, enabled: bool) -> None:
+        """FSDP2 ``set_requires_gradient_sync``: reduce-scatter only after the step's last micro-batch."""
+        model.set_requires_gradient_sync(enabled)
+
+
+def fully_shard_model(model: BaseModel, **fsdp_kwargs: Any) -> BaseModel:
+    """FSDP2 ``fully_shard`` on each of ``model.shard_units()``, then on the root, with the same arguments."""
+    from torch.distributed.fsdp import fully_shard
+
+    for unit in model.shard_units():
+        fully_shard(unit, **fsdp_kwargs)
+    fully_shard(model, **fsdp_kwargs)
+    return model
