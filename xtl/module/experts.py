@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from transformers.activations import ACT2FN
 
 from xtl.ops.expert_layout import deinterleave_gate_up, get_gate_up_layout, interleave_gate_up, split_concat
@@ -21,6 +22,7 @@ __all__ = [
     "GroupedExperts",
     "deinterleave_gate_up",
     "interleave_gate_up",
+    "local_experts",
 ]
 
 
@@ -54,8 +56,8 @@ class GroupedExperts(nn.Module):
     def forward(self, hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """Run rows ``(M, C)`` grouped by expert (``tokens_per_expert`` ``(E,)``); returns ``(M, C)``."""
         gemm = get_grouped_gemm_fn(self.gemm_impl)
-        gate_up = gemm(hidden_states, self.gate_up.transpose(1, 2), tokens_per_expert)
-        return gemm(self.activation(gate_up), self.down.transpose(1, 2), tokens_per_expert)
+        gate_up = gemm(hidden_states, local_experts(self.gate_up).transpose(1, 2), tokens_per_expert)
+        return gemm(self.activation(gate_up), local_experts(self.down).transpose(1, 2), tokens_per_expert)
 
     def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``act(gate) * up`` of the concatenated ``(M, 2I)`` projection."""
@@ -102,10 +104,12 @@ class ClampedSwiGLUExperts(GroupedExperts):
         gemm = get_grouped_gemm_fn(self.gemm_impl)
         counts = tokens_per_expert.to(hidden_states.device)
         layout = get_gate_up_layout()
-        w1, b1, w2 = layout.operands(self.gate_up, self.gate_up_bias, self.down)
+        w1, b1, w2 = layout.operands(
+            local_experts(self.gate_up), local_experts(self.gate_up_bias), local_experts(self.down)
+        )
         gate_up = gemm(hidden_states, w1, counts) + torch.repeat_interleave(b1, counts, dim=0)
         out = gemm(self.clamped_swiglu(gate_up, layout.split), w2, counts)
-        return out + torch.repeat_interleave(self.down_bias, counts, dim=0)
+        return out + torch.repeat_interleave(local_experts(self.down_bias), counts, dim=0)
 
     def clamped_swiglu(
         self,
@@ -117,3 +121,13 @@ class ClampedSwiGLUExperts(GroupedExperts):
         gate = gate.clamp(min=None, max=self.limit)
         up = up.clamp(min=-self.limit, max=self.limit)
         return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+
+def local_experts(param: torch.Tensor) -> torch.Tensor:
+    """The experts of ``param`` this rank computes with.
+
+    Under expert parallelism a grouped parameter is a ``DTensor`` split on its expert dimension over the
+    expert-parallel ranks, and the dispatcher delivers rows for the local experts only: the local shard is the
+    operand. Otherwise the parameter itself.
+    """
+    return param.to_local() if isinstance(param, DTensor) else param

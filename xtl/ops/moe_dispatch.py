@@ -111,4 +111,4 @@ def _by_slot(weighted: torch.Tensor, row_order: torch.Tensor, topk_ids: torch.Te
     num_tokens, top_k = topk_ids.shape
     slots = torch.empty_like(weighted)
     slots[row_order] = weighted
-    return slots.view(top_k, num_tokens, -1)
+    return slots.view(top_k, num_tokens, weighted.shape[-1])

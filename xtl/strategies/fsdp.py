@@ -10,6 +10,13 @@ from typing import Any, Literal
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 
+from xtl.model import BaseModel
+from xtl.strategies.expert_parallel import (
+    ExpertParallelMeshes,
+    build_expert_parallel_meshes,
+    shard_experts,
+    split_experts,
+)
 from xtl.strategies.parallelize import ShardedStrategyMixin
 
 DtypeName = Literal["float32", "bfloat16", "float16"]
@@ -23,6 +30,10 @@ class FSDPStrategy(ShardedStrategyMixin, ModelParallelStrategy):
     (:class:`~xtl.strategies.parallelize.ParallelizingStrategy`): the model's shard units (decoder layers) are
     sharded, then the root.
 
+    With ``expert_parallel_size`` > 1 the data-parallel ranks form an ``(efsdp, ep)`` mesh
+    (:mod:`xtl.strategies.expert_parallel`): MoE experts are split over ``ep`` and exchange tokens by all-to-all,
+    and every rank still sees different data.
+
     Checkpoints are DCP directories written atomically (temporary name, then rename), so a run killed mid-save
     resumes from the previous good checkpoint.
 
@@ -35,6 +46,8 @@ class FSDPStrategy(ShardedStrategyMixin, ModelParallelStrategy):
         cpu_offload: Keep sharded parameters, gradients and optimizer states on CPU.
         save_distributed_checkpoint: DCP directory checkpoints (else a full checkpoint file from rank 0).
         process_group_backend: ``gloo``/``nccl`` (default from the device).
+        expert_parallel_size: Ranks the routed experts of each MoE layer are split over (divides the world size
+            and the expert count; 1: every rank holds every expert).
         **kwargs: Other ``ModelParallelStrategy`` arguments (``timeout``, ...).
     """
 
@@ -48,6 +61,7 @@ class FSDPStrategy(ShardedStrategyMixin, ModelParallelStrategy):
         cpu_offload: bool = False,
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
+        expert_parallel_size: int = 1,
         **kwargs: Any,
     ) -> None:
         super().__init__(
@@ -63,7 +77,10 @@ class FSDPStrategy(ShardedStrategyMixin, ModelParallelStrategy):
         self.reduce_dtype = reduce_dtype
         self.reshard_after_forward = reshard_after_forward
         self.cpu_offload = cpu_offload
+        self.expert_parallel_size = expert_parallel_size
         self.dp_mesh: Any = None
+        self.ep_meshes: ExpertParallelMeshes | None = None
+        self._expert_modules: list = []
 
     def setup_environment(self) -> None:
         """Set explicit sizes (Lightning's defaults are per node), then build the meshes."""
@@ -78,7 +95,12 @@ class FSDPStrategy(ShardedStrategyMixin, ModelParallelStrategy):
                 f"data_parallel_replicate_size ({replicate}) x data_parallel_shard_size ({shard}) must equal the "
                 f"world size ({world})"
             )
-        if replicate == 1:
+        if self.expert_parallel_size > 1:
+            if replicate != 1:
+                raise ValueError("expert_parallel_size > 1 needs data_parallel_replicate_size: 1 (no HSDP with EP)")
+            self.ep_meshes = build_expert_parallel_meshes(self.root_device.type, world, self.expert_parallel_size)
+            self.dp_mesh = self.ep_meshes.dp
+        elif replicate == 1:
             self.dp_mesh = self.device_mesh["data_parallel"]
         else:
             from torch.distributed.device_mesh import init_device_mesh
@@ -86,6 +108,18 @@ class FSDPStrategy(ShardedStrategyMixin, ModelParallelStrategy):
             self.dp_mesh = init_device_mesh(
                 self.root_device.type, (replicate, shard), mesh_dim_names=("dp_replicate", "dp_shard")
             )
+
+    def apply_expert_parallel(self, model: BaseModel) -> BaseModel:
+        """Split the routed experts over ``ep`` and install the all-to-all dispatcher (no-op without EP)."""
+        if self.ep_meshes is not None:
+            self._expert_modules = split_experts(model, self.ep_meshes.ep)
+        return model
+
+    def apply_data_parallel(self, model: BaseModel) -> BaseModel:
+        """FSDP2: expert modules over ``efsdp`` (with EP), then the shard units and the root over ``dp``."""
+        if self.ep_meshes is not None:
+            shard_experts(self._expert_modules, self.ep_meshes, self.fsdp_kwargs())
+        return super().apply_data_parallel(model)
 
     def fsdp_kwargs(self) -> dict:
         """``fully_shard`` arguments: the data-parallel mesh, mixed precision, resharding and CPU offload."""

@@ -382,9 +382,10 @@ class _Estimator:
         self.d, self.s = dims, setup
         self.tokens = setup.micro_batch_size * setup.seq_len / setup.tp  # per GPU, sequence parallel
         self.local_layers = dims.num_layers // setup.pp
-        fsdp = setup.edp if setup.ep > 1 else setup.dp
-        self.shard = fsdp if setup.zero == 3 else setup.dp
-        self.expert_shard = fsdp if setup.zero == 3 else setup.edp
+        # xtl's expert-parallel layout: dense parameters are sharded over all data-parallel ranks, routed experts
+        # over the expert-data-parallel ranks (edp) after being split over ep
+        self.shard = setup.dp
+        self.expert_shard = setup.edp
 
     def run(self) -> MemoryEstimate:
         stages = sorted({0, self.s.pp - 1})

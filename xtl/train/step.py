@@ -84,11 +84,24 @@ def forward_backward(
 
 
 def grad_norm_and_clip(params: Sequence[nn.Parameter], max_norm: float | None) -> torch.Tensor:
-    """Total gradient 2-norm over all parameters (DTensor-aware); clips in place when ``max_norm`` is set."""
-    grads = [p for p in params if p.grad is not None]
-    if not grads:
+    """Total gradient 2-norm over all parameters; clips in place when ``max_norm`` is set.
+
+    DTensor-aware: gradients are grouped by device mesh (dense parameters on the data-parallel mesh, experts on the
+    expert-parallel mesh), each group's norm is reduced over its mesh, and the total is the norm of the group norms.
+    """
+    groups: dict[object, list[nn.Parameter]] = {}
+    for param in params:
+        if param.grad is not None:
+            mesh = param.grad.device_mesh if isinstance(param.grad, DTensor) else None
+            groups.setdefault(mesh, []).append(param)
+    if not groups:
         return torch.zeros(())
-    norm = torch.nn.utils.clip_grad_norm_(grads, max_norm if max_norm is not None else float("inf"), foreach=True)
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()
-    return norm.detach()
+    norms = []
+    for group in groups.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group], foreach=True)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    total = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
+    if max_norm is not None:
+        for group in groups.values():
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=True)
+    return total.detach()
