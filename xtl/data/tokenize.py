@@ -23,7 +23,7 @@ import xxhash
 from tokenizers import Tokenizer
 from transformers import PreTrainedTokenizerBase
 
-from xtl.data import templates as _templates_module
+import xtl.data.templates as _templates_module
 from xtl.data.item import IGNORE_INDEX, DataError, DataItem
 from xtl.data.templates import HF_TEMPLATE, ChatTemplate, Rendered, get_template, normalize_messages
 
