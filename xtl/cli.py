@@ -12,15 +12,19 @@ Examples::
 
 from __future__ import annotations
 
+import logging
+import re
 import sys
 import warnings
 from pathlib import Path
+from typing import Any
 
 import yaml
 from jsonargparse import set_parsing_settings
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from xtl.data import XTLDataModule
+from xtl.errors import UserError, debug_enabled, did_you_mean, short_message
 from xtl.train import LanguageModule
 from xtl.train.optim import OptimizerConfig
 
@@ -45,6 +49,34 @@ set_parsing_settings(subclasses_enabled=[OptimizerConfig])
 # xtl checkpoints the state after each optimizer step on purpose (one training_step is one optimizer step, and
 # resuming from it is exact); Lightning's advice to save pre-optimization state does not apply.
 warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization")
+# Third-party notices a user cannot act on: torch's pytree deprecation inside Lightning, Lightning's LitLogger ad.
+warnings.filterwarnings("ignore", message=".*LeafSpec.*")
+
+
+class _DropTips(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("💡 Tip")
+
+
+for _name in ("lightning.fabric.utilities.rank_zero", "lightning.pytorch.utilities.rank_zero"):
+    logging.getLogger(_name).addFilter(_DropTips())
+
+
+class XTLArgumentParser(LightningArgumentParser):
+    """LightningCLI's parser, reporting a bad config in a few lines (no usage dump) with exit code 2."""
+
+    def error(self, message: str, ex: Exception | None = None) -> None:
+        """Print the problem and how to see the options, then exit 2 (``XTL_DEBUG=1``: the parser's own report)."""
+        if debug_enabled():
+            super().error(message, ex)
+        lines = [line.rstrip() for line in str(message).strip().splitlines() if line.strip()]
+        unknown = re.search(r"[Oo]ption '([\w.]+)'|[Kk]ey '([\w.]+)' is not expected", lines[0])
+        hint = did_you_mean(next(g for g in unknown.groups() if g), _known_keys(self)) if unknown else ""
+        print(f"xtl: error: {lines[0]}{hint}", file=sys.stderr)
+        for line in lines[1:12]:
+            print(f"  {line.strip()}", file=sys.stderr)
+        print("  (`xtl fit --help` lists the keys; `--print_config` shows the merged config)", file=sys.stderr)
+        sys.exit(2)
 
 
 class XTLCLI(LightningCLI):
@@ -54,6 +86,7 @@ class XTLCLI(LightningCLI):
         super().__init__(
             LanguageModule,
             XTLDataModule,
+            parser_class=XTLArgumentParser,
             subclass_mode_model=True,
             subclass_mode_data=False,
             save_config_kwargs={"overwrite": True},
@@ -83,7 +116,14 @@ def main(argv: list[str] | None = None) -> int:
     if moved:
         print(f"xtl: error: {moved}", file=sys.stderr)
         return 2
-    XTLCLI(args=argv if explicit else None)
+    try:
+        XTLCLI(args=argv if explicit else None)
+    except Exception as exc:
+        cause = _user_error_in(exc)
+        if cause is None or debug_enabled():
+            raise
+        print(f"xtl: error: {short_message(cause)}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -101,6 +141,29 @@ def moved_key_error(argv: list[str]) -> str | None:
             if found:
                 return found
     return None
+
+
+def _user_error_in(exc: BaseException) -> UserError | None:
+    """``exc`` or the user error it was raised from (jsonargparse wraps errors of the classes it instantiates)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, UserError):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def _known_keys(parser: Any) -> list[str]:
+    """Every option key of ``parser`` and of its subcommand parsers (``trainer.max_steps``, ...)."""
+    keys = []
+    for action in parser._actions:
+        if isinstance(getattr(action, "choices", None), dict):
+            for sub in action.choices.values():
+                keys += _known_keys(sub)
+        elif action.dest:
+            keys.append(action.dest)
+    return keys
 
 
 def _moved_in_yaml(path: Path) -> str | None:

@@ -158,7 +158,7 @@ class TestMoECausalLM:
         assert metrics["train/maxvio"].item() >= 0
 
     def test_unknown_model_type_is_a_clear_error(self):
-        with pytest.raises(ValueError, match="model.model_type 'mamba' is not supported"):
+        with pytest.raises(ValueError, match="model.init_args.model.model_type 'mamba' is not supported"):
             CausalLM(model={"model_type": "mamba"})
 
     def test_unknown_field_is_named(self):

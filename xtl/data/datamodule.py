@@ -168,17 +168,21 @@ class XTLDataModule(pl.LightningDataModule):
         assert self.train_split is not None
         rank, world = self.data_parallel_rank()
         plan = self.train_split.plan
-        sampler = StepSampler(
-            num_packs=len(plan),
-            micro_batches_per_step=self.micro_batches_per_step,
-            rank=rank,
-            world_size=world,
-            seed=self.seed,
-            order=self.sampler_order,
-            pack_tokens=plan.pack_tokens() if self.sampler_order == "length_grouped" else None,
-            preset=self.sampler_preset,
-            consumed_samples=self.consumed_samples,
-        )
+        try:
+            sampler = StepSampler(
+                num_packs=len(plan),
+                micro_batches_per_step=self.micro_batches_per_step,
+                rank=rank,
+                world_size=world,
+                seed=self.seed,
+                order=self.sampler_order,
+                pack_tokens=plan.pack_tokens() if self.sampler_order == "length_grouped" else None,
+                preset=self.sampler_preset,
+                consumed_samples=self.consumed_samples,
+            )
+        except DataError as err:
+            sources = ", ".join(_resolve(spec.path) for spec in self.sources)
+            raise DataError(f"training sources {sources}: {err}") from None
         self._train_loader = ResumableDataLoader(
             self.train_split.packs, sampler, self._collator(), num_workers=self.num_workers
         )
@@ -295,6 +299,12 @@ class XTLDataModule(pl.LightningDataModule):
 
     def _split(self, specs: list[SourceSpec], packing: str, preset: str | None) -> PackedSplit:
         caches = [self._cache(s) for s in specs]
+        for spec, cache in zip(specs, caches):
+            if len(cache) == 0:
+                raise DataError(
+                    f"{_resolve(spec.path)}: no usable rows (the source is empty, or every row was filtered out); "
+                    "add data or remove it from the sources"
+                )
         data = MixedDataset(caches, [s.sample_ratio for s in specs], self.seed, [s.display_name for s in specs])
         if packing == "hard":
             plan = hard_pack(data.num_tokens, self.pack_max_length, self.seed)

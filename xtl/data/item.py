@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import TypedDict
 
+from xtl.errors import UserError
+
 IGNORE_INDEX = -100
 
 
@@ -20,7 +22,7 @@ class DataItem(TypedDict):
     num_tokens: int
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """Bad input data or data configuration; the message says where (``file:line``) and what to do."""
 
 

@@ -9,15 +9,17 @@ from collections.abc import Callable
 
 from tqdm import tqdm
 
+from xtl.errors import UserError, debug_enabled, short_message
+
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 
 
-class ToolInputError(Exception):
+class ToolInputError(UserError):
     """Raised for a usage or input problem (missing file, bad index, mismatched names); maps to exit code 2.
 
-    The checkpoint I/O package (``xtl.model.hf``) raises its own ``CheckpointError`` classes, mapped to 2 as well.
+    Every :class:`xtl.errors.UserError` (the checkpoint package's ``CheckpointError`` included) maps to 2 as well.
     """
 
 
@@ -40,8 +42,10 @@ def run_cli(
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     try:
         return handler(args)
-    except _input_errors() as exc:  # evaluated only once something was raised
-        print(f"error: {exc}", file=sys.stderr)
+    except (UserError, FileNotFoundError, FileExistsError, NotADirectoryError) as exc:
+        if debug_enabled():
+            raise
+        print(f"error: {short_message(exc)}", file=sys.stderr)
         return EXIT_USAGE
 
 
@@ -98,17 +102,6 @@ def progress(total: int, desc: str) -> tqdm:
 
 
 EXIT_CODES_HELP = "exit codes: 0 ok, 1 check failed / differences found, 2 usage or input error"
-
-
-def _input_errors() -> tuple[type[Exception], ...]:
-    """The exception types that mean a usage or input error (exit code 2).
-
-    ``CheckpointError`` is imported here, not at module level, so that ``--help`` of a tool does not load the
-    model seam (torch, transformers).
-    """
-    from xtl.model.hf.errors import CheckpointError
-
-    return (ToolInputError, CheckpointError, FileNotFoundError, FileExistsError, NotADirectoryError)
 
 
 def _shard_size(text: str) -> str:

@@ -6,6 +6,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+from xtl.errors import ConfigError, did_you_mean
 from xtl.model import MODEL_TYPES, TransformerConfig, get_model_config, get_model_config_from_hf
 from xtl.utils import resolve_path
 
@@ -24,17 +25,19 @@ def resolve_model_config(
         ``(config, hf_dir)`` where ``hf_dir`` is the directory to load weights from, or ``None``.
 
     Raises:
-        ValueError: Unknown model type, unknown config field, or a path/alias that resolves to nothing.
+        ConfigError: Unknown model type, unknown config field, or a path/alias that resolves to nothing.
     """
     hf_dir: Path | None = None
     if isinstance(model, dict):
         fields = dict(model)
         model_type = fields.pop("model_type", None)
         if model_type not in MODEL_TYPES:
-            raise ValueError(
-                f"model.model_type {model_type!r} is not supported; use one of {', '.join(sorted(MODEL_TYPES))}"
+            hint = did_you_mean(str(model_type), MODEL_TYPES)
+            raise ConfigError(
+                f"model.init_args.model.model_type {model_type!r} is not supported{hint}; "
+                f"use one of {', '.join(sorted(MODEL_TYPES))}"
             )
-        config = _construct(MODEL_TYPES[model_type], fields, "model")
+        config = _construct(MODEL_TYPES[model_type], fields, "model.init_args.model")
     else:
         value = resolve_path(model)
         if Path(value).is_dir():
@@ -44,14 +47,14 @@ def resolve_model_config(
             try:
                 config = get_model_config(value)
             except KeyError as err:
-                raise ValueError(
-                    f"model {model!r} is neither an HF model directory nor a known alias: {err}"
+                raise ConfigError(
+                    f"model {model!r} is neither an HF model directory nor a known alias: {err.args[0]}"
                 ) from None
     if overrides:
         values = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
         if "num_hidden_layers" in overrides and "layer_types" in values:
             values["layer_types"] = None
-        config = _construct(type(config), {**values, **overrides}, "model_overrides")
+        config = _construct(type(config), {**values, **overrides}, "model.init_args.model_overrides")
     return config, hf_dir
 
 
@@ -59,5 +62,12 @@ def _construct(cls: type[TransformerConfig], fields: dict[str, Any], where: str)
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(fields) - known)
     if unknown:
-        raise ValueError(f"{where}: unknown field(s) {unknown} for {cls.__name__}; valid fields: {sorted(known)}")
-    return cls(**fields)
+        hints = "".join(did_you_mean(name, known) for name in unknown)
+        raise ConfigError(
+            f"{where}: unknown field(s) {unknown} for {cls.__name__}{hints}; fix the key "
+            f"(valid fields: {', '.join(sorted(known))})"
+        )
+    try:
+        return cls(**fields)
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"{where}: {err}") from None

@@ -6,8 +6,10 @@ Every error the package raises for a bad input is a :class:`CheckpointError` (a 
 
 from __future__ import annotations
 
+from xtl.errors import UserError
 
-class CheckpointError(ValueError):
+
+class CheckpointError(UserError, ValueError):
     """Base class of the package's input errors."""
 
 

@@ -1,0 +1,85 @@
+"""User mistakes end in a short message naming the file (and line) or the key, exit code 2, no traceback."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from xtl.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+GOOD = '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n'
+BAD_DATA = {
+    "truncated": (GOOD + '{"messages": [{"role": "user", "con\n', ":2: malformed JSON"),
+    "unknown_role": (
+        '{"messages": [{"role": "wizard", "content": "hi"}]}\n',
+        ":1: message 0 has unknown role 'wizard'",
+    ),
+    "empty": ("", ": no usable rows"),
+    "not_a_list": ('{"messages": "hello"}\n', ":1: 'messages' must be a non-empty list"),
+    "missing": (None, " does not exist"),
+}
+
+
+def _run(args: list[str], capsys) -> tuple[int, str]:
+    try:
+        code = main(args)
+    except SystemExit as exit_:
+        code = int(exit_.code or 0)
+    return code, capsys.readouterr().err
+
+
+def _assert_short(code: int, err: str, *needles: str) -> None:
+    assert code == 2, err
+    assert "Traceback" not in err, err
+    assert len(err.strip().splitlines()) <= 30, err
+    for needle in needles:
+        assert needle in err, f"{needle!r} not in:\n{err}"
+
+
+class TestBadData:
+    @pytest.mark.parametrize("case", sorted(BAD_DATA))
+    def test_names_the_file_and_line(self, case, tmp_path, data_cache, capsys):
+        text, expected = BAD_DATA[case]
+        path = tmp_path / f"{case}.jsonl"
+        if text is not None:
+            path.write_text(text)
+        args = ["fit", "--config", str(ROOT / "configs/tiny_sft.yaml"), "--data.sources",
+                f"[{{path: {path}, kind: chat}}]", "--data.val_sources", "null", "--trainer.max_steps", "1",
+                "--data.cache_dir", str(tmp_path / "cache"), "--trainer.default_root_dir", str(tmp_path / "run"),
+                "--trainer.enable_progress_bar", "false"]  # fmt: skip
+        code, err = _run(args, capsys)
+        _assert_short(code, err, f"{path}{expected}")
+
+
+class TestBadConfig:
+    def _fit(self, tmp_path: Path, capsys, *extra: str) -> tuple[int, str]:
+        return _run(["fit", "--config", str(ROOT / "configs/tiny_sft.yaml"), *extra, "--print_config"], capsys)
+
+    def test_typo_in_a_top_level_key(self, tmp_path, capsys):
+        config = tmp_path / "typo.yaml"
+        config.write_text("trainr:\n  max_steps: 3\n")
+        code, err = self._fit(tmp_path, capsys, "--config", str(config))
+        _assert_short(code, err, "trainr.max_steps", "did you mean 'trainer.max_steps'?")
+
+    def test_typo_in_a_model_field(self, tmp_path, capsys):
+        config = tmp_path / "typo.yaml"
+        config.write_text("model:\n  init_args:\n    model:\n      model_type: qwen3\n      hiden_size: 3\n")
+        code, err = _run(["fit", "--config", str(ROOT / "configs/tiny_sft.yaml"), "--config", str(config),
+                          "--trainer.max_steps", "1"], capsys)  # fmt: skip
+        _assert_short(
+            code, err, "model.init_args.model: unknown field(s) ['hiden_size']", "did you mean 'hidden_size'"
+        )
+        assert "Namespace(" not in err
+
+    def test_a_string_where_a_float_is_expected(self, tmp_path, capsys):
+        code, err = self._fit(tmp_path, capsys, "--model.init_args.optimizer.lr", "fast")
+        _assert_short(code, err, '"lr"', "Expected a <class 'float'>. Got value: fast")
+
+    def test_xtl_debug_shows_the_traceback(self, tmp_path, capsys, monkeypatch):
+        monkeypatch.setenv("XTL_DEBUG", "1")
+        config = tmp_path / "typo.yaml"
+        config.write_text("model:\n  init_args:\n    model:\n      model_type: qwen3\n      hiden_size: 3\n")
+        with pytest.raises(Exception, match="hiden_size"):
+            main(["fit", "--config", str(ROOT / "configs/tiny_sft.yaml"), "--config", str(config)])
