@@ -1,7 +1,18 @@
 """Optional training features as Lightning callbacks."""
 
+from xtl.callbacks.activation_checkpointing import ActivationCheckpointing
+from xtl.callbacks.activation_offload import ActivationOffload, OffloadStats
+from xtl.callbacks.compile import Compile
 from xtl.callbacks.generation_eval import GenerationEval
 from xtl.callbacks.hf_export import HFExport
 from xtl.callbacks.throughput import Throughput
 
-__all__ = ["GenerationEval", "HFExport", "Throughput"]
+__all__ = [
+    "ActivationCheckpointing",
+    "ActivationOffload",
+    "Compile",
+    "GenerationEval",
+    "HFExport",
+    "OffloadStats",
+    "Throughput",
+]

@@ -1,0 +1,110 @@
+"""Activation checkpointing: decoder layers keep few activations in forward and recompute the rest in backward."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from torch.distributed._composable import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from xtl.callbacks._layers import check_every_n_layers, decoder_layers, select_layers
+from xtl.model import BaseModel
+from xtl.module.router import Router
+from xtl.strategies.parallelize import ModelTransform, TransformStage
+
+CheckpointMode = Literal["full", "selective"]
+MODES: tuple[str, ...] = ("full", "selective")
+
+
+class ActivationCheckpointing(pl.Callback, ModelTransform):
+    """Checkpoint decoder layers (stage ``ACTIVATION``): their activations are recomputed in backward.
+
+    Uses the composable ``torch.distributed._composable.checkpoint`` (non-reentrant, hooks on the layer), so
+    parameter names stay unchanged (HF weights load by name) and FSDP2 shards the layers afterwards as usual.
+
+    - ``mode: full`` keeps only each chosen layer's inputs; backward runs the layer's forward again.
+    - ``mode: selective`` is op-level: matmul and attention outputs (``aten.mm``, ``addmm``, ``bmm``,
+      ``_grouped_mm``, ``_scaled_mm``, ``_scaled_dot_product_*``, ...) are kept, the cheap ops between them
+      (norms, activations, rotary, residual adds) are recomputed.
+
+    In MoE layers (layers holding a router) the ``topk`` routing decisions are always kept, so recomputation
+    reuses the forward's routing even where kernels are not bitwise deterministic: the experts' row counts,
+    and thereby every recomputed shape, match the forward (no ``CheckpointError``).
+
+    Gradients equal those without checkpointing bitwise on deterministic kernels (recomputation repeats the same
+    ops on the same inputs).
+
+    Args:
+        mode: ``full`` or ``selective`` (see above).
+        every_n_layers: Checkpoint layers ``i`` with ``i % every_n_layers == 0`` (1: every layer).
+
+    Attributes:
+        checkpointed_layers: Indices of the layers checkpointed by :meth:`transform_model`.
+    """
+
+    transform_stage = TransformStage.ACTIVATION
+
+    def __init__(self, mode: CheckpointMode = "full", every_n_layers: int = 1) -> None:
+        if mode not in MODES:
+            raise ValueError(f"activation checkpointing mode must be one of {MODES}; got {mode!r}")
+        self.mode = mode
+        self.every_n_layers = check_every_n_layers(every_n_layers)
+        self.checkpointed_layers: list[int] = []
+
+    def transform_model(self, model: BaseModel) -> BaseModel:
+        """Install checkpointing on the chosen decoder layers of ``model`` (built on meta; names unchanged)."""
+        layers = decoder_layers(model)
+        self.checkpointed_layers = select_layers(len(layers), self.every_n_layers)
+        for index in self.checkpointed_layers:
+            checkpoint(layers[index], context_fn=self.context_fn(layers[index]))
+        return model
+
+    def context_fn(self, layer: nn.Module) -> Callable[[], tuple[Any, Any]] | None:
+        """The selective-checkpoint contexts of ``layer`` (``None``: plain full recomputation)."""
+        routed = any(isinstance(module, Router) for module in layer.modules())
+        if self.mode == "selective":
+            return functools.partial(create_selective_checkpoint_contexts, save_matmuls_policy)
+        if routed:
+            return functools.partial(create_selective_checkpoint_contexts, save_routing_policy)
+        return None
+
+
+def save_matmuls_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """Selective-checkpoint policy: keep matmul, attention and routing outputs, recompute everything else."""
+    return CheckpointPolicy.MUST_SAVE if op in _MATMUL_OPS or op in _ROUTING_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def save_routing_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """Full-recompute policy for MoE layers: keep only the routing decisions (``topk``), recompute the rest."""
+    return CheckpointPolicy.MUST_SAVE if op in _ROUTING_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _ops(namespace: Any, names: tuple[str, ...]) -> frozenset:
+    """The default overloads of the ops of ``namespace`` that this torch build has."""
+    return frozenset(getattr(namespace, name).default for name in names if hasattr(namespace, name))
+
+
+_MATMUL_OPS = _ops(
+    torch.ops.aten,
+    (
+        "mm",
+        "addmm",
+        "bmm",
+        "baddbmm",
+        "_grouped_mm",
+        "_scaled_mm",
+        "_scaled_grouped_mm",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+        "_flash_attention_forward",
+        "_efficient_attention_forward",
+    ),
+)
+_ROUTING_OPS = _ops(torch.ops.aten, ("topk",))
