@@ -1,9 +1,10 @@
 """Tests for ``xtl memory``: the reference Qwen3-8B case, published parameter counts, model resolution, parallel
-layouts, --measure."""
+layouts, memory modes (recompute, offload), recipes (--config), --measure."""
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from xtl.tools._cli import ToolInputError
 from xtl.tools.memory import TrainSetup, estimate_memory, model_dims
 
 GIB = 2**30
+ROOT = Path(__file__).resolve().parents[2]
 L = 32768  # reference case: Qwen3-8B, 1 node, dp 8, FSDP, L=32768, recompute, flash attention, chunk loss 1024
 H, V, HEADS, KV, HD, LAYERS, CHUNK = 4096, 151936, 32, 8, 128, 36, 1024
 
@@ -299,14 +301,268 @@ class TestParallelLayouts:
 
 class TestMeasure:
     def test_formula_agrees_with_autograd(self) -> None:
-        from xtl.tools._memory_measure import TOLERANCE
+        from xtl.tools._memory_measure import MODE_TOLERANCE, MODES, TOLERANCE
 
         result = memory.measure_activations(seq_len=256)
         assert result.max_grad_diff < 1e-4, "fused-style ops compute the same gradients as transformers"
         assert abs(result.ratio - 1) <= TOLERANCE == 0.03, result.render()
         assert result.measured_bytes >= result.formula_bytes, "the formula leaves out only cos/sin and labels"
         assert result.stock_hf_bytes > result.measured_bytes  # eager RMSNorm/SiLU keep extra copies
-        assert result.ok
+        assert result.ok, result.render()
+        modes = {m.mode: m for m in result.modes}
+        assert list(modes) == list(MODES) and MODE_TOLERANCE == 0.02
+        for m in modes.values():
+            assert m.ok and m.max_grad_diff == 0.0, result.render()  # the callbacks change memory, not gradients
+        gpu = {name: m.gpu_measured for name, m in modes.items()}
+        assert gpu["none"] > gpu["selective"] > gpu["full every 2"] > gpu["full"] > gpu["offload"] == 0
+        assert gpu["full"] == 256 * 64 * 4, "a fully recomputed layer keeps its fp32 input"
+        # offloading moves a layer's activations (and its copy of RoPE's cos/sin) to host memory
+        assert modes["offload"].host_measured == gpu["none"] + 256 * 2 * 16 * 4
+        assert modes["full+offload"].host_measured == gpu["full"] and modes["full+offload"].gpu_measured == 0
+        table = result.render()
+        assert all(f"{name:<14}" in table for name in MODES) and "OUT OF TOLERANCE" not in table
+
+    def test_mode_check_fails_outside_its_tolerance(self) -> None:
+        from xtl.tools._memory_measure import ModeResult
+
+        close = ModeResult("full", {}, 101.0, 100.0, 0.0, 0.0, reference=1000.0, max_grad_diff=0.0)
+        assert close.ok and close.gpu_ratio == pytest.approx(1.01) and close.host_ratio is None
+        assert not ModeResult("full", {}, 103.0, 100.0, 0.0, 0.0, reference=1000.0, max_grad_diff=0.0).ok
+        assert not ModeResult("offload", {}, 30.0, 0.0, 100.0, 100.0, reference=1000.0, max_grad_diff=0.0).ok
+        assert not ModeResult("full", {}, 100.0, 100.0, 0.0, 0.0, reference=1000.0, max_grad_diff=1e-3).ok
+
+
+def _kept_item(est: memory.MemoryEstimate, phase: str = "micro1_forward_end") -> tuple[str, float]:
+    return next(item for item in est.phases[phase].items if item[0].startswith("kept by the other"))
+
+
+I8B = 12288  # Qwen3-8B intermediate size
+QD, KD = HEADS * HD, KV * HD
+# bytes per token of one Qwen3-8B layer (bf16), from the formulas stated in docs/tools.md
+FULL_ACTS = (2 * H * 2 + 4) + (QD + KD) * 2 + (HEADS + KV) * 4 + (2 * QD + 2 * KD) * 2 + HEADS * 4  # attention
+FULL_ACTS += (2 * H * 2 + 4) + 3 * I8B * 2  # MLP
+SELECTIVE = (H + (QD + 2 * KD) + QD + H) * 2 + HEADS * 4 + (2 * I8B + H) * 2  # input, matmul + attention outputs
+CHECKPOINT = H * 2
+
+
+class TestMemoryModes:
+    SEQ = 8192
+
+    def _est(self, **kwargs: object) -> memory.MemoryEstimate:
+        return estimate_memory("qwen3-8b", TrainSetup(seq_len=self.SEQ, **kwargs))
+
+    def test_recompute_modes_keep_what_they_save(self) -> None:
+        none, selective, full = (self._est(recompute=m) for m in ("none", "selective", "full"))
+        assert none.peak_mbn.bytes > selective.peak_mbn.bytes > full.peak_mbn.bytes
+        for est, per_token, kind in [
+            (none, FULL_ACTS, "all activations"),
+            (selective, SELECTIVE, "matmul outputs (selective)"),
+            (full, CHECKPOINT, "layer input (full recompute)"),
+        ]:
+            label, value = _kept_item(est)
+            assert value == 35 * self.SEQ * per_token and label.endswith(f"{kind} x 35"), label
+        # the default (and the former boolean option) is full recompute, whose figures are unchanged
+        assert TrainSetup().recompute == "full" and TrainSetup(recompute=True).recompute == "full"
+        assert TrainSetup(recompute=False).recompute == "none"
+        assert full.parts["layer_input_ckpt"]["acts"] == self.SEQ * CHECKPOINT
+
+    def test_every_n_layers_lies_between(self) -> None:
+        full, none = self._est(recompute="full"), self._est(recompute="none")
+        every2 = self._est(recompute="full", recompute_every_n_layers=2)
+        assert full.peak_mbn.bytes < every2.peak_mbn.bytes < none.peak_mbn.bytes
+        label, value = _kept_item(every2)  # layers 0, 2, ..., 34 checkpointed; 1, 3, ..., 33 keep everything
+        assert value == self.SEQ * (18 * CHECKPOINT + 17 * FULL_ACTS), label
+        selective2 = self._est(recompute="selective", recompute_every_n_layers=2)
+        assert _kept_item(selective2)[1] == self.SEQ * (18 * SELECTIVE + 17 * FULL_ACTS)
+
+    def test_offload_moves_layer_activations_to_host(self) -> None:
+        none, offload = self._est(recompute="none"), self._est(recompute="none", offload=True)
+        assert offload.peak_mbn.bytes < none.peak_mbn.bytes
+        label, value = _kept_item(offload)
+        assert value == 0 and "offloaded" in label
+        in_flight = next(v for k, v in offload.phases["micro1_forward_end"].items if k.startswith("offload:"))
+        assert in_flight == self.SEQ * FULL_ACTS, "one more layer's tensors: copy or prefetch"
+        rope = 2 * HD * 2  # each offloaded layer copies RoPE's cos/sin
+        assert offload.host_bytes == 36 * self.SEQ * (FULL_ACTS + rope) and none.host_bytes == 0
+        full, full_offload = self._est(), self._est(offload=True)
+        assert full_offload.peak_mbn.bytes < full.peak_mbn.bytes
+        assert full_offload.host_bytes == 36 * self.SEQ * CHECKPOINT
+        every2 = self._est(recompute="none", offload=True, offload_every_n_layers=2)
+        assert offload.peak_mbn.bytes < every2.peak_mbn.bytes < none.peak_mbn.bytes
+        assert _kept_item(every2)[1] == 17 * self.SEQ * FULL_ACTS  # layers 1, 3, ..., 33 stay on the GPU
+        layers = self._est(recompute="none", offload=True, offload_layers=(0, -2))  # -2: layer 34
+        assert _kept_item(layers)[1] == 33 * self.SEQ * FULL_ACTS and "layers [0, -2]" in layers.render()
+
+    def test_moe_full_recompute_keeps_the_routing(self) -> None:
+        est = estimate_memory("qwen3-30b-a3b", TrainSetup(seq_len=4096, ep=8))
+        assert est.parts["layer_input_ckpt"]["acts"] == 4096 * (2048 * 2 + 8 * (4 + 8))  # input, top-k weights + ids
+        selective = estimate_memory("qwen3-30b-a3b", TrainSetup(seq_len=4096, ep=8, recompute="selective"))
+        none = estimate_memory("qwen3-30b-a3b", TrainSetup(seq_len=4096, ep=8, recompute="none"))
+        assert none.peak_mbn.bytes > selective.peak_mbn.bytes > est.peak_mbn.bytes
+
+    def test_zero1_working_set_is_the_rest_of_one_layer(self) -> None:
+        setup = dict(nodes=4, zero=1, pp=4, seq_len=4096, chunk_loss=1024)
+        for mode in ("full", "selective"):
+            est = estimate_memory("qwen3-8b", TrainSetup(**setup, recompute=mode))
+            items = dict(est.phases["microN_forward_end"].items)
+            per_token = CHECKPOINT if mode == "full" else SELECTIVE
+            work = items["recompute / restore working set: the rest of one layer's activations"]
+            assert work == 4096 * (FULL_ACTS - per_token)
+
+    @pytest.mark.parametrize(
+        "kwargs",
+        [{"recompute": "partial"}, {"recompute_every_n_layers": 0}, {"offload": True, "offload_layers": (36,)},
+         {"offload": True, "offload_layers": (0,), "offload_every_n_layers": 2}],
+    )  # fmt: skip
+    def test_invalid_settings(self, kwargs: dict) -> None:
+        with pytest.raises(ToolInputError):
+            estimate_memory("qwen3-8b", TrainSetup(**kwargs))
+
+    def test_cli_options(self, capsys: pytest.CaptureFixture) -> None:
+        def setup(*args: str) -> dict:
+            assert memory.main(["qwen3-8b", "--format", "json", *args]) == 0
+            return json.loads(capsys.readouterr().out)["setup"]
+
+        assert setup()["recompute"] == "full" and setup("--no-recompute")["recompute"] == "none"
+        assert setup("--recompute")["recompute"] == "full"
+        got = setup("--recompute", "selective", "--recompute-every-n-layers", "3")
+        assert (got["recompute"], got["recompute_every_n_layers"], got["offload"]) == ("selective", 3, False)
+        assert setup("--offload")["offload"] is True
+        got = setup("--offload-every-n-layers", "2")  # implies --offload
+        assert (got["offload"], got["offload_every_n_layers"]) == (True, 2)
+        assert setup("--offload-layers", "0,-1")["offload_layers"] == [0, -1]
+        assert memory.main(["qwen3-8b", "--recompute", "sometimes"]) == 2
+        assert memory.main(["qwen3-8b", "--offload-layers", "a,b"]) == 2
+        assert memory.main(["qwen3-8b", "--recompute-every-n-layers", "0"]) == 2
+        assert "must be >= 1" in capsys.readouterr().err
+
+
+def _stated_gpu_memory(recipe: Path) -> int:
+    found = re.findall(r"^# gpu-memory: (\d+)GiB$", recipe.read_text(), flags=re.MULTILINE)
+    assert len(found) == 1, f"{recipe.name} states its GPU memory once, as '# gpu-memory: <n>GiB'"
+    return int(found[0]) * GIB
+
+
+def _json(capsys: pytest.CaptureFixture, *args: str, code: int = 0) -> dict:
+    assert memory.main([*args, "--format", "json"]) == code, capsys.readouterr().err
+    return json.loads(capsys.readouterr().out)
+
+
+class TestRecipeConfig:
+    def test_reads_the_merged_recipe_and_fragments(self) -> None:
+        recipe = memory.read_recipe(
+            [ROOT / "configs/qwen3_30b_a3b_sft.yaml", ROOT / "callbacks/activation_offload.yaml"]
+        )
+        s = recipe.setup
+        assert (s["nodes"], s["gpus_per_node"], s["zero"], s["ep"], s["seq_len"], s["micro_batch_size"]) == (
+            1, 8, 3, 8, 8192, 1,
+        )  # fmt: skip
+        assert (s["act_bytes"], s["param_bytes"], s["grad_bytes"]) == (2, 2, 2)  # param_dtype bfloat16
+        assert (s["recompute"], s["recompute_every_n_layers"], s["offload"]) == ("full", 1, True)
+        assert recipe.model == "env:QWEN3_30B_A3B_PATH" and recipe.micro_batches_per_step == 4
+        assert recipe.gpu_memory == 80 * GIB and recipe.gpu_memory_file.endswith("qwen3_30b_a3b_sft.yaml")
+
+    def test_callback_options_and_a_dict_model(self, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+        fragment = tmp_path / "memory.yaml"
+        fragment.write_text(
+            "# gpu-memory: 2GiB\n"
+            "trainer:\n  callbacks+:\n"
+            "    - class_path: xtl.callbacks.ActivationCheckpointing\n"
+            "      init_args: {mode: selective, every_n_layers: 2}\n"
+            "    - class_path: xtl.callbacks.ActivationOffload\n      init_args: {layers: [0, -1]}\n"
+        )
+        recipe = memory.read_recipe([ROOT / "configs/tiny_sft.yaml", fragment])
+        s = recipe.setup
+        assert (s["recompute"], s["recompute_every_n_layers"]) == ("selective", 2)
+        assert (s["offload"], s["offload_layers"], s["nodes"], s["gpus_per_node"]) == (True, (0, -1), 1, 1)
+        assert (s["act_bytes"], s["seq_len"], recipe.gpu_memory) == (4, 512, 2 * GIB)  # fp32 recipe, 512 packs
+        data = _json(capsys, "--config", str(ROOT / "configs/tiny_sft.yaml"), "--config", str(fragment))
+        assert data["params"]["total"] == model_dims(
+            {"model_type": "qwen3", "vocab_size": 1600, "hidden_size": 128, "intermediate_size": 384,
+             "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+             "tie_word_embeddings": True}
+        ).parameter_counts()["total"]  # fmt: skip
+        assert data["gpu_memory"]["fits"] and data["setup"]["gpus_per_node"] == 1
+
+    def test_recipe_equals_the_same_settings_given_as_options(self, capsys: pytest.CaptureFixture) -> None:
+        recipe = _json(capsys, "--config", str(ROOT / "configs/qwen3_30b_a3b_sft.yaml"), "qwen3-30b-a3b")
+        options = _json(capsys, "qwen3-30b-a3b", "--gpus-per-node", "8", "--ep", "8", "--seq-len", "8192")
+        assert recipe["phases"] == options["phases"] and recipe["recipe"]["setup"]["recompute"] == "full"
+        # options given on the command line override the recipe's
+        mine = _json(
+            capsys, "--config", str(ROOT / "configs/qwen3_30b_a3b_sft.yaml"), "--model", "qwen3-30b-a3b",
+            "--seq-len", "4096", "--recompute", "selective", "--offload",
+        )  # fmt: skip
+        assert (mine["setup"]["seq_len"], mine["setup"]["recompute"], mine["setup"]["offload"]) == (
+            4096, "selective", True,
+        )  # fmt: skip
+
+    def test_model_from_an_env_path(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+    ) -> None:
+        recipe = str(ROOT / "configs/qwen3_8b_pretrain.yaml")
+        monkeypatch.delenv("QWEN3_8B_PATH", raising=False)
+        assert memory.main(["--config", recipe]) == 2
+        err = capsys.readouterr().err
+        assert "QWEN3_8B_PATH is not set" in err and "name the model on the command line" in err
+        assert len(err.strip().splitlines()) == 1
+        get_model_config("qwen3-8b").hf_config.save_pretrained(tmp_path / "Qwen3-8B")
+        monkeypatch.setenv("QWEN3_8B_PATH", str(tmp_path / "Qwen3-8B"))
+        data = _json(capsys, "--config", recipe)
+        assert data["model"] == "Qwen3-8B" and data["params"]["total"] == 8_190_735_360
+
+    def test_input_errors(self, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+        recipe = str(ROOT / "configs/qwen3_8b_pretrain.yaml")
+        twice = ["--config", recipe, "--config", str(ROOT / "callbacks/activation_checkpointing.yaml"), "qwen3-8b"]
+        assert memory.main(twice) == 2
+        assert "2 ActivationCheckpointing callbacks" in capsys.readouterr().err
+        assert memory.main(["--config", str(tmp_path / "missing.yaml"), "qwen3-8b"]) == 2
+        assert "no such file" in capsys.readouterr().err
+        bad = tmp_path / "bad.yaml"
+        bad.write_text("trainer:\n  max_stepz: 3\n")
+        assert memory.main(["--config", recipe, "--config", str(bad), "qwen3-8b"]) == 2
+        assert "max_stepz" in capsys.readouterr().err
+        assert memory.main(["--config", recipe, "qwen3-8b", "--model", "llama3.1-8b"]) == 2
+        ddp = tmp_path / "ddp.yaml"
+        ddp.write_text("trainer:\n  strategy: ddp\n")
+        assert memory.main(["--config", recipe, "--config", str(ddp), "qwen3-8b"]) == 2
+        assert "'ddp' on 8 GPUs is not modelled" in capsys.readouterr().err
+        assert memory.main(["--config", str(ROOT / "configs/tiny_sft.yaml"), "--config", str(ddp)]) == 0  # 1 GPU
+
+
+RECIPES = {
+    "qwen3_8b_pretrain.yaml": "qwen3-8b",
+    "llama3.1_8b_sft.yaml": "llama3.1-8b",
+    "qwen3_30b_a3b_sft.yaml": "qwen3-30b-a3b",
+}
+
+
+class TestRecipes:
+    @pytest.mark.parametrize(("name", "alias"), RECIPES.items())
+    def test_estimate_fits_the_stated_gpu_memory(self, name: str, alias: str, capsys: pytest.CaptureFixture) -> None:
+        recipe = ROOT / "configs" / name
+        stated = _stated_gpu_memory(recipe)
+        text = recipe.read_text()
+        assert "callbacks/activation_offload.yaml" in text, "the recipe says how to add offload"
+        data = _json(capsys, "--config", str(recipe), alias)
+        assert (data["setup"]["recompute"], data["setup"]["offload"]) == ("full", False)  # checkpointing is on
+        peak = max(data["peak_micro_batch_1"]["bytes"], data["peak_micro_batch_n"]["bytes"])
+        assert peak <= memory.USABLE_FRACTION * stated, f"{name}: {peak / GIB:.1f} GiB"
+        assert data["gpu_memory"] == {
+            "bytes": stated, "usable_bytes": memory.USABLE_FRACTION * stated, "fits": True, "peak_bytes": peak,
+            "source": f"`# gpu-memory:` line of {recipe}",
+        }  # fmt: skip
+        offload = str(ROOT / "callbacks/activation_offload.yaml")
+        with_offload = _json(capsys, "--config", str(recipe), "--config", offload, alias)
+        assert with_offload["peak_micro_batch_n"]["bytes"] < peak and with_offload["host_offload_bytes"] > 0
+
+    def test_a_peak_above_the_gpu_memory_fails(self, capsys: pytest.CaptureFixture) -> None:
+        recipe = str(ROOT / "configs/qwen3_30b_a3b_sft.yaml")
+        data = _json(capsys, "--config", recipe, "qwen3-30b-a3b", "--no-recompute", code=1)
+        assert not data["gpu_memory"]["fits"] and data["peak_micro_batch_n"]["bytes"] > 80 * GIB
+        assert memory.main(["qwen3-8b", "--seq-len", "8192", "--gpu-memory", "24GiB"]) == 1
+        assert "EXCEEDS" in capsys.readouterr().out
+        assert memory.main(["qwen3-8b", "--gpu-memory", "80"]) == 2
 
 
 class TestMemoryCli:
@@ -343,3 +599,6 @@ class TestMemoryCli:
         assert memory.main(["--measure", "--seq-len", "128", "--format", "json"]) == 0
         data = json.loads(capsys.readouterr().out)
         assert data["ok"] and data["tolerance"] == 0.03 and data["config"]["seq_len"] == 128
+        assert [m["mode"] for m in data["modes"]] == ["none", "full", "selective", "full every 2", "offload",
+                                                      "full+offload"]  # fmt: skip
+        assert all(m["ok"] and m["tolerance"] == 0.02 for m in data["modes"])

@@ -1,5 +1,6 @@
-"""``xtl memory --measure``: check the activation formula against autograd on a scaled-down dense model.
+"""``xtl memory --measure``: check the activation formulas against autograd on scaled-down dense models.
 
+**Formula check.**
 A tiny Qwen3 model is built with ``transformers`` (SDPA attention, which on CPU runs the flash kernel keeping q, k,
 v, the output and the log-sum-exp), its RMSNorms and SwiGLU are routed through fused-style autograd functions (the
 kernels the estimator assumes: RMSNorm keeps input + fp32 rstd, SwiGLU keeps gate + up), and one forward runs under
@@ -11,21 +12,110 @@ stock transformers model.
 
 Tolerance: ``|measured / formula - 1| <= 3%``. What the formula leaves out is RoPE's cos/sin tables (shared by all
 layers) and the label tensors of the loss, about 1% at the default size.
+
+**Memory modes** (:func:`compare_modes`). For each mode of :data:`MODES` (no recompute, full, selective, full on
+every 2nd layer, offload, full + offload) an xtl dense model (the same scaled-down Qwen3, SDPA) is built on meta,
+transformed by the real ``ActivationCheckpointing`` / ``ActivationOffload`` callbacks (``transform_model``, as
+``xtl fit`` applies them), materialized and initialized; its RMSNorms and SwiGLU go through the same fused-style
+functions. One forward on a single sequence runs under a dispatch mode that records every storage an op creates;
+at its end, the storages still alive (what autograd, checkpoint inputs and selective-checkpoint caches hold),
+parameters excluded, are the GPU bytes, less the offload callback's host copies (``stats.held_bytes``: on CPU they
+share the memory, on a GPU they would be in host memory), which are the host bytes. The model is measured with 4
+and with 2 decoder layers and the difference halved, so the embedding, head, loss and RoPE tables cancel: the
+result is what one decoder layer keeps, compared with the estimator's figure for the same two layers (the caller
+passes it in). Backward then runs, and the gradients must equal those of the model without recompute or offload.
+
+Tolerance per mode: ``|measured - estimate| <= 2%`` of the estimate, or of a layer's activations without recompute
+where the estimate is 0 (the GPU bytes of offloaded layers); gradients equal to mode ``none`` within 1e-6.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 TOLERANCE = 0.03
+MODE_TOLERANCE = 0.02
+GRAD_TOLERANCE = 1e-6
+MODES: dict[str, dict[str, Any]] = {
+    "none": {"recompute": "none"},
+    "full": {"recompute": "full"},
+    "selective": {"recompute": "selective"},
+    "full every 2": {"recompute": "full", "recompute_every_n_layers": 2},
+    "offload": {"recompute": "none", "offload": True},
+    "full+offload": {"recompute": "full", "offload": True},
+}
+"""Memory modes of :func:`compare_modes`, as ``TrainSetup`` fields (``recompute``, ``recompute_every_n_layers``,
+``offload``, ``offload_every_n_layers``)."""
+
+
+@dataclass
+class ModeResult:
+    """What one decoder layer keeps for backward in one memory mode: measured vs estimated bytes (one sequence).
+
+    Attributes:
+        mode: Name of the mode (a key of :data:`MODES`).
+        options: Its ``TrainSetup`` fields.
+        gpu_measured: Bytes a layer keeps on the device (measured).
+        gpu_estimate: The estimator's figure.
+        host_measured: Bytes a layer keeps in host memory (offload; measured).
+        host_estimate: The estimator's figure.
+        reference: The estimator's bytes of a layer without recompute or offload (scale of a check whose estimate
+            is 0).
+        max_grad_diff: Largest gradient difference to mode ``none``.
+        tolerance: Relative tolerance of both checks.
+    """
+
+    mode: str
+    options: dict[str, Any]
+    gpu_measured: float
+    gpu_estimate: float
+    host_measured: float
+    host_estimate: float
+    reference: float
+    max_grad_diff: float
+    tolerance: float = MODE_TOLERANCE
+
+    @property
+    def gpu_ratio(self) -> float | None:
+        """float | None: measured / estimate on the device (``None`` where the estimate is 0)."""
+        return self.gpu_measured / self.gpu_estimate if self.gpu_estimate else None
+
+    @property
+    def host_ratio(self) -> float | None:
+        """float | None: measured / estimate in host memory (``None`` where the estimate is 0)."""
+        return self.host_measured / self.host_estimate if self.host_estimate else None
+
+    @property
+    def ok(self) -> bool:
+        """bool: Both checks within tolerance and gradients equal to mode ``none``."""
+        return (
+            self._close(self.gpu_measured, self.gpu_estimate)
+            and self._close(self.host_measured, self.host_estimate)
+            and self.max_grad_diff <= GRAD_TOLERANCE
+        )
+
+    def to_dict(self) -> dict:
+        """Return a JSON-serializable dict.
+
+        Returns:
+            dict: The result.
+        """
+        return asdict(self) | {"gpu_ratio": self.gpu_ratio, "host_ratio": self.host_ratio, "ok": self.ok}
+
+    def _close(self, measured: float, estimate: float) -> bool:
+        return abs(measured - estimate) <= self.tolerance * (estimate or self.reference)
 
 
 @dataclass
 class MeasureResult:
-    """Measured vs estimated activation bytes of one forward pass."""
+    """Measured vs estimated activation bytes of one forward pass, and per memory mode (:class:`ModeResult`)."""
 
     config: dict
     measured_bytes: int
@@ -33,6 +123,7 @@ class MeasureResult:
     stock_hf_bytes: int
     max_grad_diff: float
     tolerance: float = TOLERANCE
+    modes: list[ModeResult] = field(default_factory=list)
 
     @property
     def ratio(self) -> float:
@@ -40,9 +131,14 @@ class MeasureResult:
         return self.measured_bytes / self.formula_bytes
 
     @property
-    def ok(self) -> bool:
-        """bool: Within tolerance and the fused-style model matches the stock model."""
+    def formula_ok(self) -> bool:
+        """bool: The formula check is within tolerance and the fused-style model matches the stock model."""
         return abs(self.ratio - 1) <= self.tolerance and self.max_grad_diff < 1e-4
+
+    @property
+    def ok(self) -> bool:
+        """bool: The formula check and every memory mode are within tolerance."""
+        return self.formula_ok and all(mode.ok for mode in self.modes)
 
     def to_dict(self) -> dict:
         """Return a JSON-serializable dict.
@@ -58,6 +154,8 @@ class MeasureResult:
             "tolerance": self.tolerance,
             "stock_transformers_bytes": self.stock_hf_bytes,
             "max_grad_diff_vs_stock": self.max_grad_diff,
+            "formula_ok": self.formula_ok,
+            "modes": [mode.to_dict() for mode in self.modes],
             "ok": self.ok,
         }
 
@@ -67,15 +165,18 @@ class MeasureResult:
         Returns:
             str: Report text.
         """
-        return (
+        text = (
             f"scaled-down dense model: {self.config}\n"
             f"measured activations (fused RMSNorm/SwiGLU, SDPA): {self.measured_bytes} bytes\n"
             f"estimator formula:                                 {self.formula_bytes:.0f} bytes\n"
             f"ratio measured/formula: {self.ratio:.4f} (tolerance +-{self.tolerance:.0%}) -> "
-            f"{'OK' if self.ok else 'OUT OF TOLERANCE'}\n"
+            f"{'OK' if self.formula_ok else 'OUT OF TOLERANCE'}\n"
             f"stock transformers model (eager RMSNorm/SiLU keep extra copies): {self.stock_hf_bytes} bytes\n"
             f"max |grad difference| fused-style vs stock: {self.max_grad_diff:.2e}"
         )
+        if self.modes:
+            text += "\n\n" + _modes_table(self.modes, self.config["seq_len"])
+        return text
 
 
 def tiny_dense_config() -> dict:
@@ -129,6 +230,60 @@ def compare_with_autograd(
     return MeasureResult(fields | {"seq_len": seq_len}, measured, estimate, stock_bytes, grad_diff)
 
 
+def tiny_xtl_fields(num_layers: int) -> dict:
+    """Fields of the xtl dense model :func:`compare_modes` builds: :func:`tiny_dense_config` as an xtl config.
+
+    Args:
+        num_layers (int): Decoder layers.
+
+    Returns:
+        dict: ``model_type`` plus xtl config fields (a recipe's ``model.init_args.model`` dict).
+    """
+    fields = {k: v for k, v in tiny_dense_config().items() if k != "attention_bias"}
+    return fields | {"num_hidden_layers": num_layers, "attn_impl": "sdpa"}
+
+
+def compare_modes(
+    estimate: Callable[[dict, int, dict], tuple[float, float]], seq_len: int = 256, seed: int = 0
+) -> list[ModeResult]:
+    """Measure what one decoder layer keeps for backward in each memory mode and compare with ``estimate``.
+
+    Args:
+        estimate (Callable[[dict, int, dict], tuple[float, float]]): ``(GPU, host)`` bytes all decoder layers of
+            the model keep at the end of an fp32 forward, from the xtl fields (:func:`tiny_xtl_fields`), the
+            sequence length and the mode's ``TrainSetup`` fields.
+        seq_len (int): Tokens in the single sequence.
+        seed (int): Seed for weights and tokens.
+
+    Returns:
+        list[ModeResult]: One per mode of :data:`MODES`, in order.
+    """
+    deep, shallow = tiny_xtl_fields(4), tiny_xtl_fields(2)
+    reference_grads: list[torch.Tensor] | None = None
+    reference = 0.0
+    results = []
+    for mode, options in MODES.items():
+        gpu4, host4, grads = _kept_by_layers(deep, options, seq_len, seed)
+        gpu2, host2, _ = _kept_by_layers(shallow, options, seq_len, seed)
+        est4, est2 = estimate(deep, seq_len, options), estimate(shallow, seq_len, options)
+        if reference_grads is None:  # mode "none" comes first
+            reference_grads, reference = grads, (est4[0] - est2[0]) / 2
+        grad_diff = max(float((a - b).abs().max()) for a, b in zip(grads, reference_grads, strict=True))
+        results.append(
+            ModeResult(
+                mode=mode,
+                options=dict(options),
+                gpu_measured=(gpu4 - gpu2) / 2,
+                gpu_estimate=(est4[0] - est2[0]) / 2,
+                host_measured=(host4 - host2) / 2,
+                host_estimate=(est4[1] - est2[1]) / 2,
+                reference=reference,
+                max_grad_diff=grad_diff,
+            )
+        )
+    return results
+
+
 def _saved_bytes(model: torch.nn.Module, ids: torch.Tensor) -> tuple[int, torch.Tensor]:
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen: dict[int, int] = {}
@@ -179,7 +334,93 @@ def _install_fused_ops(model: torch.nn.Module) -> None:
     for module in model.modules():
         name = type(module).__name__
         if name.endswith("RMSNorm"):
-            eps = module.variance_epsilon
+            eps = module.variance_epsilon if hasattr(module, "variance_epsilon") else module.eps  # HF / xtl
             module.forward = lambda x, m=module, e=eps: _RMSNormFn.apply(x, m.weight, e)
         elif name.endswith("MLP"):
             module.forward = lambda x, m=module: m.down_proj(_SwiGLUFn.apply(m.gate_proj(x), m.up_proj(x)))
+
+
+class _CreatedStorages(TorchDispatchMode):
+    """Weak references to the storages of every tensor an op creates while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.storages: dict[int, tuple[StorageWeakRef, int]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                storage = t.untyped_storage()
+                self.storages.setdefault(storage._cdata, (StorageWeakRef(storage), storage.nbytes()))
+        return out
+
+    def alive_bytes(self, exclude: set[int]) -> int:
+        """Bytes of the recorded storages still alive, except those in ``exclude`` (``_cdata`` keys)."""
+        return sum(size for key, (ref, size) in self.storages.items() if not ref.expired() and key not in exclude)
+
+
+def _build_xtl(fields: dict, options: dict[str, Any], seed: int) -> tuple[torch.nn.Module, list[Any]]:
+    """The xtl model of ``fields`` with the callbacks of a memory mode applied as ``xtl fit`` applies them."""
+    from xtl.callbacks import ActivationCheckpointing, ActivationOffload
+    from xtl.model import MODEL_TYPES
+
+    callbacks: list[Any] = []
+    if options.get("recompute", "none") != "none":
+        every = options.get("recompute_every_n_layers", 1)
+        callbacks.append(ActivationCheckpointing(mode=options["recompute"], every_n_layers=every))
+    if options.get("offload"):
+        every = options.get("offload_every_n_layers", 1)
+        callbacks.append(ActivationOffload(every_n_layers=every, pin_memory=False))
+    config_fields = dict(fields)
+    config = MODEL_TYPES[config_fields.pop("model_type")](**config_fields)
+    with torch.device("meta"):
+        model = config.build()
+    for callback in sorted(callbacks, key=lambda c: c.transform_stage):  # stable: callback order per stage
+        model = callback.transform_model(model)
+    model.materialize("cpu")
+    torch.manual_seed(seed)
+    model.init_weights()
+    _install_fused_ops(model)
+    return model.float().train(), callbacks
+
+
+def _kept_by_layers(
+    fields: dict, options: dict[str, Any], seq_len: int, seed: int
+) -> tuple[int, int, list[torch.Tensor]]:
+    """(GPU bytes, host bytes) alive at the end of one forward of the mode's model, and its gradients."""
+    model, callbacks = _build_xtl(fields, options, seed)
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, fields["vocab_size"], (1, seq_len), generator=generator)
+    params = {p.untyped_storage()._cdata for p in model.parameters()}
+    created = _CreatedStorages()
+    with created:
+        loss = model(input_ids=ids, labels=ids, return_logits=False).loss
+    host = sum(c.stats.held_bytes for c in callbacks if hasattr(c, "stats"))
+    gpu = created.alive_bytes(params) - host
+    loss.backward()
+    return gpu, host, [p.grad.detach().clone() for p in model.parameters()]
+
+
+def _modes_table(modes: list[ModeResult], seq_len: int) -> str:
+    def ratio(value: float | None) -> str:
+        return "-" if value is None else f"{value:.4f}"
+
+    fields = tiny_xtl_fields(4)
+    lines = [
+        f"memory modes: bytes one decoder layer keeps for backward, {seq_len} tokens, fp32 (xtl {fields['model_type']}"
+        f" h {fields['hidden_size']}, I {fields['intermediate_size']}, {fields['num_attention_heads']} heads, "
+        f"{fields['num_key_value_heads']} KV heads; real callbacks; 4-layer minus 2-layer model, halved)",
+        f"tolerance per mode: |measured - estimate| <= {MODE_TOLERANCE:.0%} of the estimate (of the no-recompute "
+        f"layer, {modes[0].reference:.0f} bytes, where the estimate is 0); gradients equal to mode none within "
+        f"{GRAD_TOLERANCE:g}",
+        f"{'mode':<14}{'GPU est':>10}{'measured':>10}{'ratio':>8}{'host est':>10}{'measured':>10}{'ratio':>8}"
+        f"{'tol':>6}{'grad diff':>11}  result",
+    ]
+    for m in modes:
+        lines.append(
+            f"{m.mode:<14}{m.gpu_estimate:>10.0f}{m.gpu_measured:>10.0f}{ratio(m.gpu_ratio):>8}"
+            f"{m.host_estimate:>10.0f}{m.host_measured:>10.0f}{ratio(m.host_ratio):>8}{m.tolerance:>6.0%}"
+            f"{m.max_grad_diff:>11.1e}  {'OK' if m.ok else 'OUT OF TOLERANCE'}"
+        )
+    return "\n".join(lines)

@@ -12,7 +12,13 @@ Activation accounting (elements per token, stored in the activation dtype unless
 training implementation keeps for backward: fused RMSNorm keeps its input plus an fp32 ``rstd`` per row and its
 output is kept by the consumer linear; RoPE keeps nothing but cos/sin; flash attention keeps q, k, v, its output
 and the fp32 log-sum-exp per head; fused SwiGLU keeps gate and up and the down projection keeps its input. The
-derivation of every term is in ``docs/tools.md`` and ``xtl memory --measure`` checks it against autograd.
+memory settings of the run decide what each decoder layer keeps: all of that (no recompute), its input (full
+recompute), its matmul outputs (selective recompute), or nothing on the GPU (activation offload: host memory).
+The derivation of every term is in ``docs/tools.md`` and ``xtl memory --measure`` checks it against autograd and
+against the ``ActivationCheckpointing`` / ``ActivationOffload`` callbacks.
+
+``--config`` reads these settings from a recipe (plus fragments), merged as ``xtl fit`` merges them
+(:func:`read_recipe`).
 
 Example:
     >>> from xtl.tools.memory import TrainSetup, estimate_memory
@@ -24,13 +30,18 @@ Example:
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
-from dataclasses import asdict, dataclass, field
+import re
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from huggingface_hub.errors import StrictDataclassError
 
+from xtl.errors import UserError, short_message
 from xtl.model import MODEL_TYPES, alias_names, get_model_config
 from xtl.model.dims import ModelDims
 from xtl.tools._cli import EXIT_CODES_HELP, EXIT_FAILED, EXIT_OK, ToolInputError, make_parser, run_cli
@@ -43,6 +54,9 @@ GIB = 1024**3
 COLUMNS = ("params", "grads", "opt_states", "master_params", "master_grads", "acts")
 FP32 = 4
 INDEX_BYTES = 8
+RECOMPUTE_MODES = ("none", "full", "selective")
+USABLE_FRACTION = 0.9  # of a stated GPU memory; the rest: CUDA context, NCCL buffers, allocator fragmentation
+GPU_MEMORY_COMMENT = re.compile(r"^#\s*gpu-memory:\s*(\S+)", re.MULTILINE)
 
 EXAMPLES = """examples:
   xtl memory qwen3-8b --gpus-per-node 8 --seq-len 32768 --chunk-loss 1024          # FSDP, recompute, flash
@@ -50,10 +64,14 @@ EXAMPLES = """examples:
   xtl memory deepseek-v3 --nodes 128 --ep 64 --seq-len 4096
   xtl memory qwen3-32b --nodes 4 --zero 1 --tp 2 --pp 4 --vpp 2 --micro-batch-size 2
   xtl memory path/to/hf_model --no-recompute --format json
-  xtl memory --measure                          # check the activation formula against autograd on this CPU
+  xtl memory qwen3-8b --seq-len 8192 --recompute selective --recompute-every-n-layers 2 --offload
+  xtl memory --config configs/qwen3_30b_a3b_sft.yaml qwen3-30b-a3b   # the recipe's layout and memory settings
+  xtl memory --config configs/qwen3_8b_pretrain.yaml --config callbacks/activation_offload.yaml qwen3-8b
+  xtl memory --measure                          # check the activation formulas against autograd on this CPU
 
 aliases: {aliases}
-{exit_codes} (1: --measure disagreed beyond its tolerance)"""
+{exit_codes} (1: --measure disagreed beyond its tolerance, or the peak exceeds the usable share of the GPU
+memory stated by --gpu-memory or a recipe's `# gpu-memory:` line)"""
 
 
 @dataclass
@@ -70,7 +88,12 @@ class TrainSetup:
         zero (int): 1 (optimizer states sharded) or 3 (FSDP: parameters, gradients and states sharded).
         seq_len (int): Tokens per sequence.
         micro_batch_size (int): Sequences per micro-batch.
-        recompute (bool): Full activation recomputation per decoder layer.
+        recompute (str): Activation checkpointing of the decoder layers: ``none``, ``full`` (a layer keeps its
+            input) or ``selective`` (it keeps its matmul outputs); ``True`` / ``False`` mean ``full`` / ``none``.
+        recompute_every_n_layers (int): Checkpoint layers ``i`` with ``i % k == 0``; the others keep everything.
+        offload (bool): Activation offload: what the offloaded layers keep for backward lives in host memory.
+        offload_every_n_layers (int): Offload layers ``i`` with ``i % k == 0``.
+        offload_layers (tuple[int, ...] | None): Offload these layer indices instead (negative count from the end).
         flash_attn (bool): Flash attention (no O(L^2) probabilities kept).
         chunk_loss (int): Tokens per loss chunk (0: logits of the whole micro-batch at once).
         capacity (float): MoE capacity factor (1.0 = balanced routing).
@@ -90,7 +113,11 @@ class TrainSetup:
     zero: int = 3
     seq_len: int = 4096
     micro_batch_size: int = 1
-    recompute: bool = True
+    recompute: str = "full"
+    recompute_every_n_layers: int = 1
+    offload: bool = False
+    offload_every_n_layers: int = 1
+    offload_layers: tuple[int, ...] | None = None
     flash_attn: bool = True
     chunk_loss: int = 0
     capacity: float = 1.0
@@ -99,6 +126,12 @@ class TrainSetup:
     grad_bytes: int = 2
     master_bytes: int = 4
     optim_bytes: int = 4
+
+    def __post_init__(self) -> None:
+        if isinstance(self.recompute, bool):  # the former boolean option: full recompute or none
+            self.recompute = "full" if self.recompute else "none"
+        if self.offload_layers is not None:
+            self.offload_layers = tuple(self.offload_layers)
 
     @property
     def gpus(self) -> int:
@@ -136,6 +169,7 @@ class MemoryEstimate:
     phases: dict[str, Phase]
     peak_mb1: Phase
     peak_mbn: Phase
+    host_bytes: float = 0.0
 
     def to_dict(self) -> dict:
         """Return a JSON-serializable dict (bytes plus GiB).
@@ -154,6 +188,7 @@ class MemoryEstimate:
             },
             "peak_micro_batch_1": {"phase": self.peak_mb1.name, "bytes": self.peak_mb1.bytes},
             "peak_micro_batch_n": {"phase": self.peak_mbn.name, "bytes": self.peak_mbn.bytes},
+            "host_offload_bytes": self.host_bytes,
         }
 
     def render(self) -> str:
@@ -165,11 +200,16 @@ class MemoryEstimate:
         s, p = self.setup, self.params
         lines = [
             f"model {self.model}: zero {s.zero}, gpus {s.gpus}, dp {s.dp}, tp {s.tp}, pp {s.pp}, vpp {s.vpp}, "
-            f"ep {s.ep}, micro-batch {s.micro_batch_size} x {s.seq_len} tokens, recompute {s.recompute}, "
-            f"flash-attn {s.flash_attn}, chunk-loss {s.chunk_loss or 'off'}",
+            f"ep {s.ep}, micro-batch {s.micro_batch_size} x {s.seq_len} tokens, recompute {_recompute_text(s)}, "
+            f"offload {_offload_text(s)}, flash-attn {s.flash_attn}, chunk-loss {s.chunk_loss or 'off'}, "
+            f"activations {s.act_bytes}-byte",
             "parameters: " + ", ".join(f"{k} {v / 1e9:.4f}B" for k, v in p.items()),
             f"peak, micro-batch 1:  {self.peak_mb1.bytes / GIB:.3f} GiB at {self.peak_mb1.name}",
             f"peak, micro-batch >1: {self.peak_mbn.bytes / GIB:.3f} GiB at {self.peak_mbn.name}",
+        ]
+        if s.offload:
+            lines.append(f"host memory for offloaded activations: {self.host_bytes / GIB:.3f} GiB per GPU")
+        lines += [
             "",
             f"{'part (GiB)':<18}" + "".join(f"{c:>15}" for c in COLUMNS),
         ]
@@ -178,6 +218,50 @@ class MemoryEstimate:
         for phase in self.phases.values():
             lines += ["", f"{phase.name}: {phase.bytes / GIB:.4f} GiB"]
             lines += [f"  {label:<68} {val / GIB:10.4f} GiB" for label, val in phase.items]
+        return "\n".join(lines)
+
+
+@dataclass
+class Recipe:
+    """The memory-relevant settings of ``xtl fit --config FILE ...``, read by :func:`read_recipe`.
+
+    Attributes:
+        files (list[str]): The config files, in merge order.
+        model (str | dict | None): ``model.init_args.model`` as written (alias, HF directory, ``env:VAR``, or a
+            dict of config fields).
+        model_overrides (dict | None): ``model.init_args.model_overrides``.
+        setup (dict[str, Any]): The :class:`TrainSetup` fields the recipe decides.
+        read_from (dict[str, str]): For each setting, the recipe keys it was read from.
+        micro_batches_per_step (int): ``data.micro_batches_per_step``.
+        gpu_memory (int | None): Bytes of GPU memory the recipe targets (its ``# gpu-memory:`` line).
+        gpu_memory_file (str | None): The file that states ``gpu_memory``.
+    """
+
+    files: list[str]
+    model: str | dict | None
+    model_overrides: dict | None
+    setup: dict[str, Any]
+    read_from: dict[str, str]
+    micro_batches_per_step: int = 1
+    gpu_memory: int | None = None
+    gpu_memory_file: str | None = None
+
+    def to_dict(self) -> dict:
+        """Return a JSON-serializable dict.
+
+        Returns:
+            dict: The settings.
+        """
+        return asdict(self)
+
+    def render(self) -> str:
+        """Return the settings as text, one ``setting: value (read from)`` line each.
+
+        Returns:
+            str: Report text.
+        """
+        lines = [f"recipe: {' + '.join(self.files)} (merged as xtl fit merges them)"]
+        lines += [f"  {key}: {source}" for key, source in self.read_from.items()]
         return "\n".join(lines)
 
 
@@ -240,49 +324,263 @@ def model_dims(model: str | dict | DenseConfig | ModelDims) -> ModelDims:
         ) from None
 
 
-def measure_activations(seq_len: int = 256, config: dict | None = None, seed: int = 0) -> MeasureResult:
-    """Measure the activations autograd saves for a tiny dense model and compare them with this estimator.
+def read_recipe(paths: Sequence[str | Path]) -> Recipe:
+    """Read the memory-relevant settings of ``xtl fit --config paths[0] --config paths[1] ...``.
 
-    See :mod:`xtl.tools._memory_measure`.
+    The files are merged by ``xtl fit``'s own parser (jsonargparse under ``xtl.cli.XTLCLI``: later files override
+    earlier ones, ``callbacks+`` lists append) without instantiating anything, so the settings are those of the run.
+    Read: the model (``model.init_args.model`` and ``model_overrides``), GPUs (``trainer.devices`` x
+    ``trainer.num_nodes``), the strategy (``FSDPStrategy``: ZeRO-3, its ``expert_parallel_size`` and
+    ``param_dtype``), the sequence length (``data.pack_max_length``, one packed sequence per micro-batch),
+    ``data.micro_batches_per_step``, recompute from the ``ActivationCheckpointing`` callback (``mode``,
+    ``every_n_layers``; none without one), offload from the ``ActivationOffload`` callback (``every_n_layers``,
+    ``layers``), and the GPU memory the recipe targets from a ``# gpu-memory: 80GiB`` comment line (the last file
+    stating one wins).
+
+    Args:
+        paths (Sequence[str | Path]): The recipe, then fragments.
+
+    Returns:
+        Recipe: The settings.
+
+    Raises:
+        ToolInputError: A missing file or one that does not parse; a layout ``xtl memory`` does not model
+            (``devices: auto``, a strategy other than ``FSDPStrategy`` on several GPUs, HSDP); two
+            checkpointing or two offload callbacks (a run applies one of each).
+    """
+    files = [str(path) for path in paths]
+    for name in files:
+        if not Path(name).is_file():
+            raise ToolInputError(f"--config {name}: no such file")
+    config = _merged_config(files)
+    trainer, data = config.get("trainer") or {}, config.get("data") or {}
+    module = (config.get("model") or {}).get("init_args") or {}
+    setup: dict[str, Any] = {}
+    read_from: dict[str, str] = {"model": f"{module.get('model')!r} (model.init_args.model)"}
+
+    devices, nodes = trainer.get("devices", "auto"), trainer.get("num_nodes") or 1
+    setup.update(nodes=int(nodes), gpus_per_node=_device_count(devices))
+    gpus = setup["nodes"] * setup["gpus_per_node"]
+    read_from["gpus"] = f"{gpus} = trainer.devices {devices} x trainer.num_nodes {nodes}"
+
+    strategy_path, strategy_args = _class_and_args(trainer.get("strategy"))
+    if _is_subclass(strategy_path, "xtl.strategies", "FSDPStrategy"):
+        _check_fsdp_layout(strategy_args, gpus)
+        setup.update(zero=3, ep=int(strategy_args.get("expert_parallel_size") or 1))
+        read_from["zero"] = "3 (trainer.strategy FSDPStrategy)"
+        read_from["ep"] = f"{setup['ep']} (trainer.strategy.init_args.expert_parallel_size)"
+    elif gpus > 1:
+        raise ToolInputError(
+            f"trainer.strategy {strategy_path or trainer.get('strategy')!r} on {gpus} GPUs is not modelled: "
+            "xtl memory models xtl.strategies.FSDPStrategy (ZeRO-3)"
+        )
+    compute_bytes, dtype_source = _compute_dtype_bytes(strategy_args, trainer, module)
+    setup.update(param_bytes=compute_bytes, grad_bytes=compute_bytes, act_bytes=compute_bytes)
+    read_from["compute dtype"] = f"{compute_bytes}-byte parameters, gradients and activations ({dtype_source})"
+
+    if data.get("pack_max_length") is not None:
+        setup.update(seq_len=int(data["pack_max_length"]), micro_batch_size=1)
+        read_from["seq_len"] = f"{setup['seq_len']} (data.pack_max_length; one packed sequence per micro-batch)"
+    micro_batches = int(data.get("micro_batches_per_step") or 1)
+    read_from["micro_batches_per_step"] = f"{micro_batches} (data.micro_batches_per_step)"
+
+    callbacks = trainer.get("callbacks") or []
+    checkpointing = _callbacks_of(callbacks, "ActivationCheckpointing")
+    offload = _callbacks_of(callbacks, "ActivationOffload")
+    for name, found in (("ActivationCheckpointing", checkpointing), ("ActivationOffload", offload)):
+        if len(found) > 1:
+            raise ToolInputError(
+                f"the merged config has {len(found)} {name} callbacks; a run applies one (a layer cannot be "
+                "transformed twice): drop the fragment that adds the second"
+            )
+    if checkpointing:
+        options = checkpointing[0]
+        setup.update(recompute=options.get("mode", "full"), recompute_every_n_layers=options.get("every_n_layers", 1))
+        read_from["recompute"] = (
+            f"{setup['recompute']}, every_n_layers {setup['recompute_every_n_layers']} "
+            "(trainer.callbacks: ActivationCheckpointing)"
+        )
+    else:
+        setup["recompute"] = "none"
+        read_from["recompute"] = "none (no ActivationCheckpointing in trainer.callbacks)"
+    if offload:
+        options = offload[0]
+        layers = options.get("layers")
+        setup.update(
+            offload=True,
+            offload_every_n_layers=options.get("every_n_layers", 1),
+            offload_layers=tuple(layers) if layers is not None else None,
+        )
+        read_from["offload"] = f"{_offload_text(TrainSetup(**setup))} (trainer.callbacks: ActivationOffload)"
+    else:
+        setup["offload"] = False
+        read_from["offload"] = "off (no ActivationOffload in trainer.callbacks)"
+
+    gpu_memory, gpu_memory_file = None, None
+    for name in files:
+        stated = GPU_MEMORY_COMMENT.findall(Path(name).read_text())
+        if stated:
+            gpu_memory, gpu_memory_file = _parse_memory_size(stated[-1], f"{name}: # gpu-memory:"), name
+    return Recipe(
+        files=files,
+        model=module.get("model"),
+        model_overrides=module.get("model_overrides"),
+        setup=setup,
+        read_from=read_from,
+        micro_batches_per_step=micro_batches,
+        gpu_memory=gpu_memory,
+        gpu_memory_file=gpu_memory_file,
+    )
+
+
+def recipe_model_dims(recipe: Recipe, model: str | None = None) -> ModelDims:
+    """Dimensions of the model ``recipe`` trains, or of ``model`` named instead, with the recipe's overrides.
+
+    ``model`` (an alias or a path, as for :func:`model_dims`) replaces ``model.init_args.model``: recipes name
+    their model by ``env:VAR`` paths, which are unset where no checkpoint is at hand. ``model_overrides`` apply
+    either way, as ``xtl fit`` applies them.
+
+    Args:
+        recipe (Recipe): The recipe's settings.
+        model (str | None): A model to use instead of the recipe's.
+
+    Returns:
+        ModelDims: Its dimensions.
+
+    Raises:
+        ToolInputError: No model, an unset ``env:`` variable (the message says to name the model), or a model that
+            does not resolve.
+    """
+    from xtl.utils import resolve_path
+
+    value = model if model is not None else recipe.model
+    where = "the model given" if model is not None else "model.init_args.model"
+    hint = f"name the model on the command line: xtl memory --config {' --config '.join(recipe.files)} MODEL"
+    if value is None:
+        raise ToolInputError(f"{recipe.files[0]} sets no model.init_args.model; {hint}")
+    if isinstance(value, str):
+        try:
+            value = resolve_path(value)
+        except UserError as exc:
+            raise ToolInputError(f"{where}: {short_message(exc)}; or {hint}") from None
+    if not isinstance(value, dict) and not recipe.model_overrides:
+        return model_dims(value)
+    from xtl.train.model_spec import resolve_model_config  # what xtl fit calls (dict fields, overrides)
+
+    path = Path(value) if isinstance(value, str) else None
+    if path is not None and path.is_file():  # a config.json: its directory
+        value = str(path.parent)
+    config, _ = resolve_model_config(value, recipe.model_overrides)
+    name = value.get("model_type", "model") if isinstance(value, dict) else Path(value).name or value
+    return ModelDims.from_config(config, str(name))
+
+
+def measure_activations(
+    seq_len: int = 256, config: dict | None = None, seed: int = 0, modes: bool = True
+) -> MeasureResult:
+    """Measure the activations autograd saves for tiny dense models and compare them with this estimator.
+
+    Two checks (see :mod:`xtl.tools._memory_measure`): the activation formula without recompute against a
+    transformers Qwen3 with fused-style ops, and, per memory mode (none, full, selective, full every 2 layers,
+    offload, full + offload), what an xtl model's decoder layers keep under the real ``ActivationCheckpointing`` /
+    ``ActivationOffload`` callbacks against :class:`TrainSetup`'s ``recompute`` / ``offload`` estimate.
 
     Args:
         seq_len (int): Tokens in the single sequence.
-        config (dict | None): HF Qwen3 fields (defaults to a scaled-down Qwen3).
+        config (dict | None): HF Qwen3 fields of the first check (defaults to a scaled-down Qwen3).
         seed (int): Seed for weights and tokens.
+        modes (bool): Run the per-mode check too.
 
     Returns:
-        MeasureResult: Measured and formula bytes.
+        MeasureResult: Measured and formula bytes (``modes``: one row per memory mode).
     """
-    from xtl.tools._memory_measure import compare_with_autograd
+    from xtl.tools._memory_measure import compare_modes, compare_with_autograd
 
-    return compare_with_autograd(_forward_activation_bytes, seq_len, config, seed)
+    result = compare_with_autograd(_forward_activation_bytes, seq_len, config, seed)
+    if modes:
+        result.modes = compare_modes(_layers_kept_bytes, seq_len, seed)
+    return result
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``memory`` options to ``parser``.
 
+    Setup options default to ``None`` (unset): :class:`TrainSetup`'s defaults, or with ``--config`` the recipe's
+    settings, apply to what is not given.
+
     Args:
         parser (argparse.ArgumentParser): Parser.
     """
     d = TrainSetup()
-    parser.add_argument("model", nargs="?", help="alias or path to config.json / HF model directory")
-    parser.add_argument("--nodes", type=int, default=d.nodes)
-    parser.add_argument("--gpus-per-node", type=int, default=d.gpus_per_node)
-    parser.add_argument("--tp", type=int, default=d.tp, help="tensor parallel (sequence parallel activations)")
-    parser.add_argument("--pp", type=int, default=d.pp, help="pipeline parallel, 1F1B (requires --zero 1)")
-    parser.add_argument("--vpp", type=int, default=d.vpp, help="virtual pipeline stages per rank")
-    parser.add_argument("--ep", type=int, default=d.ep, help="expert parallel")
-    parser.add_argument("--zero", type=int, choices=(1, 3), default=d.zero, help="1: ZeRO-1, 3: FSDP (default)")
+    parser.add_argument(
+        "model",
+        nargs="?",
+        help="alias or path to config.json / HF model directory (with --config: replaces the recipe's model)",
+    )
+    parser.add_argument("--model", dest="model_option", metavar="MODEL", help="the model (as the positional)")
+    parser.add_argument(
+        "--config",
+        action="append",
+        metavar="FILE",
+        help="recipe, then fragments (repeat), merged as xtl fit merges them: the model, GPUs, ep, dtype, "
+        "sequence length, recompute and offload come from them; options given here override",
+    )
+    parser.add_argument("--nodes", type=int, help=f"default {d.nodes}")
+    parser.add_argument("--gpus-per-node", type=int, help=f"default {d.gpus_per_node}")
+    parser.add_argument("--tp", type=int, help="tensor parallel (sequence parallel activations)")
+    parser.add_argument("--pp", type=int, help="pipeline parallel, 1F1B (requires --zero 1)")
+    parser.add_argument("--vpp", type=int, help="virtual pipeline stages per rank")
+    parser.add_argument("--ep", type=int, help="expert parallel")
+    parser.add_argument("--zero", type=int, choices=(1, 3), help="1: ZeRO-1, 3: FSDP (default)")
     parser.add_argument("--seq-len", type=int, help=f"tokens per sequence (default {d.seq_len}; 256 with --measure)")
-    parser.add_argument("--micro-batch-size", type=int, default=d.micro_batch_size)
-    parser.add_argument("--recompute", action=argparse.BooleanOptionalAction, default=d.recompute)
-    parser.add_argument("--flash-attn", action=argparse.BooleanOptionalAction, default=d.flash_attn)
-    parser.add_argument("--chunk-loss", type=int, default=d.chunk_loss, help="tokens per loss chunk, 0 = off")
-    parser.add_argument("--capacity", type=float, default=d.capacity, help="MoE capacity factor")
-    parser.add_argument("--act-bytes", type=int, default=d.act_bytes, help="activation dtype size")
+    parser.add_argument("--micro-batch-size", type=int, help=f"default {d.micro_batch_size}")
+    parser.add_argument(
+        "--recompute",
+        nargs="?",
+        const="full",
+        choices=RECOMPUTE_MODES,
+        help="activation checkpointing of the decoder layers: none, full (also --recompute alone) or selective "
+        "(default full; with --config: the recipe's ActivationCheckpointing, none without one)",
+    )
+    parser.add_argument(
+        "--no-recompute", dest="recompute", action="store_const", const="none", help="= --recompute none"
+    )
+    parser.add_argument(
+        "--recompute-every-n-layers",
+        type=int,
+        metavar="K",
+        help="checkpoint layers i with i %% K == 0; the others keep full activations (default 1)",
+    )
+    parser.add_argument(
+        "--offload",
+        action=argparse.BooleanOptionalAction,
+        help="activation offload: what the offloaded layers keep for backward lives in host memory (default off; "
+        "with --config: the recipe's ActivationOffload)",
+    )
+    parser.add_argument(
+        "--offload-every-n-layers", type=int, metavar="K", help="offload layers i with i %% K == 0 (implies --offload)"
+    )
+    parser.add_argument(
+        "--offload-layers", type=_int_list, metavar="I,J,...", help="offload these layers (implies --offload)"
+    )
+    parser.add_argument("--flash-attn", action=argparse.BooleanOptionalAction, help="default on")
+    parser.add_argument("--chunk-loss", type=int, help="tokens per loss chunk, 0 = off (default)")
+    parser.add_argument("--capacity", type=float, help=f"MoE capacity factor (default {d.capacity})")
+    parser.add_argument(
+        "--act-bytes", type=int, help=f"activation dtype size (default {d.act_bytes}; with --config: the recipe's)"
+    )
+    parser.add_argument(
+        "--gpu-memory",
+        type=_memory_size_arg,
+        metavar="SIZE",
+        help=f"GPU memory to check the peak against, e.g. 80GiB: it must fit in {USABLE_FRACTION:.0%}% of it "
+        "(default: a recipe's `# gpu-memory:` line)",
+    )
     parser.add_argument("--format", choices=("text", "json"), default="text")
     parser.add_argument(
-        "--measure", action="store_true", help="measure activations of a scaled-down dense model and compare"
+        "--measure",
+        action="store_true",
+        help="measure activations of scaled-down dense models per memory mode and compare",
     )
 
 
@@ -299,27 +597,47 @@ def run(args: argparse.Namespace) -> int:
         result = measure_activations(seq_len=args.seq_len or 256)
         print(json.dumps(result.to_dict(), indent=2) if args.format == "json" else result.render())
         return EXIT_OK if result.ok else EXIT_FAILED
-    if not args.model:
-        raise ToolInputError("give a model alias or config path (or --measure)")
-    setup = TrainSetup(
-        nodes=args.nodes,
-        gpus_per_node=args.gpus_per_node,
-        tp=args.tp,
-        pp=args.pp,
-        vpp=args.vpp,
-        ep=args.ep,
-        zero=args.zero,
-        seq_len=args.seq_len or TrainSetup.seq_len,
-        micro_batch_size=args.micro_batch_size,
-        recompute=args.recompute,
-        flash_attn=args.flash_attn,
-        chunk_loss=args.chunk_loss,
-        capacity=args.capacity,
-        act_bytes=args.act_bytes,
-    )
-    est = estimate_memory(args.model, setup)
-    print(json.dumps(est.to_dict(), indent=2) if args.format == "json" else est.render())
-    return EXIT_OK
+    if args.model and args.model_option and args.model != args.model_option:
+        raise ToolInputError(f"two models given ({args.model!r} and --model {args.model_option!r}); give one")
+    model = args.model_option or args.model
+    recipe = read_recipe(args.config) if args.config else None
+    if recipe is None and not model:
+        raise ToolInputError("give a model alias or config path (or --config RECIPE, or --measure)")
+    dims = recipe_model_dims(recipe, model) if recipe is not None else model_dims(model)
+    if recipe is not None and model:
+        recipe.read_from["model"] = f"{model} (command line; model.init_args.model is {recipe.model!r})"
+    setup = TrainSetup(**(recipe.setup if recipe is not None else {}) | _explicit_setup(args))
+    est = estimate_memory(dims, setup)
+    gpu_memory, source = args.gpu_memory, "--gpu-memory"
+    if gpu_memory is None and recipe is not None and recipe.gpu_memory is not None:
+        gpu_memory, source = recipe.gpu_memory, f"`# gpu-memory:` line of {recipe.gpu_memory_file}"
+    fits = gpu_memory is None or est.peak_mbn.bytes <= USABLE_FRACTION * gpu_memory
+    if args.format == "json":
+        out = est.to_dict()
+        if recipe is not None:
+            out["recipe"] = recipe.to_dict()
+        if gpu_memory is not None:
+            out["gpu_memory"] = {
+                "bytes": gpu_memory,
+                "usable_bytes": USABLE_FRACTION * gpu_memory,
+                "source": source,
+                "peak_bytes": est.peak_mbn.bytes,
+                "fits": fits,
+            }
+        print(json.dumps(out, indent=2))
+    else:
+        text = est.render()
+        if recipe is not None:
+            text = recipe.render() + "\n" + text
+        if gpu_memory is not None:
+            verdict = "fits in" if fits else "EXCEEDS"
+            text += (
+                f"\n\nGPU memory {gpu_memory / GIB:g} GiB ({source}): peak {est.peak_mbn.bytes / GIB:.3f} GiB "
+                f"{verdict} the usable {USABLE_FRACTION * gpu_memory / GIB:.3f} GiB ({USABLE_FRACTION:.0%}; the rest "
+                "for the CUDA context, NCCL buffers and allocator fragmentation)"
+            )
+        print(text)
+    return EXIT_OK if fits else EXIT_FAILED
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -359,9 +677,180 @@ def _forward_activation_bytes(config: dict, seq_len: int) -> float:
     return parts["embed"]["acts"] + parts["head"]["acts"] + layer * dims.num_layers
 
 
+def _layers_kept_bytes(fields: dict, seq_len: int, options: dict) -> tuple[float, float]:
+    """(GPU, host) bytes all decoder layers of the xtl model ``fields`` keep at the end of an fp32 forward."""
+    fields = dict(fields)
+    config = MODEL_TYPES[fields.pop("model_type")](**fields)
+    dims = ModelDims.from_config(config)
+    setup = TrainSetup(nodes=1, gpus_per_node=1, seq_len=seq_len, act_bytes=4, **options)
+    _validate(dims, setup)
+    est = _Estimator(dims, setup)
+    kept = [est.kept(layer) for layer in range(dims.num_layers)]
+    return sum(gpu for gpu, _ in kept), sum(host for _, host in kept)
+
+
+def _explicit_setup(args: argparse.Namespace) -> dict[str, Any]:
+    """The :class:`TrainSetup` fields given on the command line (they override a recipe's)."""
+    given = {f.name: getattr(args, f.name) for f in fields(TrainSetup) if getattr(args, f.name, None) is not None}
+    if args.offload_every_n_layers is not None or args.offload_layers is not None:
+        given.setdefault("offload", True)
+        if args.offload_layers is None:
+            given["offload_layers"] = None  # the command line's every-n replaces a recipe's layer list
+        else:
+            given["offload_layers"] = tuple(args.offload_layers)
+            given["offload_every_n_layers"] = 1
+    return given
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(item) for item in text.split(",") if item.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected layer indices such as 0,2,5; got {text!r}") from None
+
+
+_MEMORY_UNITS = {"mib": 2**20, "gib": 2**30, "tib": 2**40, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+
+
+def _parse_memory_size(text: str, where: str) -> int:
+    match = re.fullmatch(r"([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]+)", text.strip())
+    if not match or match.group(2).lower() not in _MEMORY_UNITS or float(match.group(1)) <= 0:
+        raise ToolInputError(f"{where} {text!r} is not a memory size such as 80GiB, 141GB or 40GiB")
+    return int(float(match.group(1)) * _MEMORY_UNITS[match.group(2).lower()])
+
+
+def _memory_size_arg(text: str) -> int:
+    try:
+        return _parse_memory_size(text, "--gpu-memory")
+    except ToolInputError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _merged_config(files: list[str]) -> dict[str, Any]:
+    """The config ``xtl fit --config f1 --config f2 ...`` runs, parsed by xtl's CLI parser, nothing instantiated."""
+    from xtl.cli import XTLCLI, XTLArgumentParser  # imports Lightning: only with --config
+
+    class RaisingParser(XTLArgumentParser):
+        def error(self, message: str, ex: Exception | None = None) -> None:
+            first = next((line.strip() for line in str(message).splitlines() if line.strip()), "invalid config")
+            raise ToolInputError(f"--config {' '.join(files)}: {first}")
+
+    class ParseOnly(XTLCLI):
+        def init_parser(self, **kwargs: Any) -> XTLArgumentParser:
+            self.parser_class = RaisingParser
+            return super().init_parser(**kwargs)
+
+        def parse_arguments(self, parser: XTLArgumentParser, args: Any) -> None:
+            self.config = parser.parse_args(args)  # without LightningCLI's warning about sys.argv
+
+        def _set_seed(self) -> None:  # no global side effects
+            pass
+
+        def before_instantiate_classes(self) -> None:
+            pass
+
+        def instantiate_classes(self) -> None:
+            pass
+
+        def after_instantiate_classes(self) -> None:
+            pass
+
+    cli = ParseOnly(args=[arg for name in files for arg in ("--config", name)], run=False)
+    return cli.config.as_dict()
+
+
+def _device_count(devices: Any) -> int:
+    if isinstance(devices, (list, tuple)):
+        return len(devices)
+    if isinstance(devices, int) and devices > 0:
+        return devices
+    if isinstance(devices, str) and devices.strip().isdigit() and int(devices) > 0:
+        return int(devices)
+    if isinstance(devices, str) and "," in devices:
+        return len([d for d in devices.split(",") if d.strip()])
+    raise ToolInputError(f"trainer.devices is {devices!r}: give the GPUs per node with --gpus-per-node")
+
+
+def _class_and_args(value: Any) -> tuple[str | None, dict[str, Any]]:
+    if isinstance(value, dict):
+        return value.get("class_path"), value.get("init_args") or {}
+    return (value if isinstance(value, str) else None), {}
+
+
+def _is_subclass(class_path: str | None, module: str, name: str) -> bool:
+    """Whether ``class_path`` names ``module.name`` or a subclass of it."""
+    if not class_path or "." not in class_path:
+        return False
+    base = getattr(importlib.import_module(module), name)
+    owner, _, attr = class_path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(owner), attr)
+    except (ImportError, AttributeError):
+        return False
+    return isinstance(cls, type) and issubclass(cls, base)
+
+
+def _check_fsdp_layout(init_args: dict[str, Any], gpus: int) -> None:
+    replicate, shard = init_args.get("data_parallel_replicate_size", 1), init_args.get("data_parallel_shard_size")
+    if replicate not in (None, 1) or shard not in (None, "auto", -1, gpus):
+        raise ToolInputError(
+            f"FSDPStrategy with data_parallel_replicate_size {replicate} / data_parallel_shard_size {shard} (HSDP) "
+            "is not modelled: xtl memory shards over all GPUs"
+        )
+
+
+_DTYPE_BYTES = {"bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2, "float32": 4, "fp32": 4, "float": 4}
+
+
+def _compute_dtype_bytes(strategy_args: dict[str, Any], trainer: dict[str, Any], module: dict[str, Any]) -> tuple:
+    """Size of the compute dtype and where it came from: the strategy's param_dtype, else precision, else model."""
+    candidates = [
+        (strategy_args.get("param_dtype"), "trainer.strategy.init_args.param_dtype"),
+        ("bfloat16" if str(trainer.get("precision", "")).startswith(("bf16", "16")) else None, "trainer.precision"),
+        (module.get("param_dtype") or "float32", "model.init_args.param_dtype"),
+    ]
+    value, source = next((v, src) for v, src in candidates if v is not None)
+    name = str(value).removeprefix("torch.").lower()
+    if name not in _DTYPE_BYTES:
+        raise ToolInputError(f"{source} {value!r} is not a dtype xtl memory knows ({', '.join(_DTYPE_BYTES)})")
+    return _DTYPE_BYTES[name], f"{source} {value}"
+
+
+def _callbacks_of(callbacks: list[Any], name: str) -> list[dict[str, Any]]:
+    """The ``init_args`` of the callbacks that are ``xtl.callbacks.<name>`` (or subclasses)."""
+    found = []
+    for entry in callbacks:
+        class_path, init_args = _class_and_args(entry)
+        if _is_subclass(class_path, "xtl.callbacks", name):
+            found.append(init_args)
+    return found
+
+
+def _recompute_text(s: TrainSetup) -> str:
+    if s.recompute == "none" or s.recompute_every_n_layers == 1:
+        return s.recompute
+    return f"{s.recompute} (every {s.recompute_every_n_layers} layers)"
+
+
+def _offload_text(s: TrainSetup) -> str:
+    if not s.offload:
+        return "off"
+    if s.offload_layers is not None:
+        return f"layers {list(s.offload_layers)}"
+    return "on" if s.offload_every_n_layers == 1 else f"every {s.offload_every_n_layers} layers"
+
+
 def _validate(dims: ModelDims, s: TrainSetup) -> None:
     problems = []
-    if min(s.nodes, s.gpus_per_node, s.tp, s.pp, s.vpp, s.ep, s.seq_len, s.micro_batch_size) < 1:
+    if s.recompute not in RECOMPUTE_MODES:
+        problems.append(f"recompute must be one of {', '.join(RECOMPUTE_MODES)}; got {s.recompute!r}")
+    elif min(s.recompute_every_n_layers, s.offload_every_n_layers) < 1:
+        problems.append("--recompute-every-n-layers and --offload-every-n-layers must be >= 1")
+    elif s.offload_layers is not None and s.offload_every_n_layers != 1:
+        problems.append("give either offload layers or offload every-n-layers, not both")
+    elif s.offload_layers is not None and any(not -dims.num_layers <= i < dims.num_layers for i in s.offload_layers):
+        problems.append(f"offload layers {list(s.offload_layers)} are out of range for {dims.num_layers} layers")
+    elif min(s.nodes, s.gpus_per_node, s.tp, s.pp, s.vpp, s.ep, s.seq_len, s.micro_batch_size) < 1:
         problems.append("sizes must be >= 1")
     elif s.gpus % (s.tp * s.pp) or s.gpus % (s.ep * s.pp):
         problems.append(f"{s.gpus} GPUs are not divisible by tp*pp={s.tp * s.pp} and ep*pp={s.ep * s.pp}")
@@ -386,6 +875,10 @@ class _Estimator:
         # over the expert-data-parallel ranks (edp) after being split over ep
         self.shard = setup.dp
         self.expert_shard = setup.edp
+        if setup.offload_layers is not None:
+            self.offload_set = {i % dims.num_layers for i in setup.offload_layers}
+        else:
+            self.offload_set = set(range(0, dims.num_layers, setup.offload_every_n_layers))
 
     def run(self) -> MemoryEstimate:
         stages = sorted({0, self.s.pp - 1})
@@ -404,7 +897,61 @@ class _Estimator:
             phases=phases,
             peak_mb1=mb1,
             peak_mbn=mbn,
+            host_bytes=max(self._host_bytes(st) for st in stages),
         )
+
+    # ---- what each decoder layer keeps for backward (recompute and offload settings) --------------------------
+    def checkpointed(self, layer: int) -> bool:
+        s = self.s
+        return s.recompute != "none" and layer % s.recompute_every_n_layers == 0
+
+    def offloaded(self, layer: int) -> bool:
+        return self.s.offload and layer in self.offload_set
+
+    def saved(self, layer: int) -> float:
+        """Bytes ``layer`` keeps for backward of one micro-batch, wherever they live."""
+        if not self.checkpointed(layer):
+            per_token = self._attn_act_bytes() + self._mlp_act_bytes(layer)
+        elif self.s.recompute == "full":
+            per_token = self._checkpoint_act_bytes(layer)
+        else:
+            per_token = self._selective_attn_act_bytes() + self._selective_mlp_act_bytes(layer)
+        return per_token * self.tokens
+
+    def kept(self, layer: int) -> tuple[float, float]:
+        """(GPU, host) bytes ``layer`` keeps for backward of one micro-batch at the end of forward.
+
+        An offloaded layer keeps nothing on the GPU; its host copy holds what it saves plus, when it is not
+        checkpointed, its own copy of RoPE's cos/sin (shared by all layers on the GPU, copied per layer).
+        """
+        if not self.offloaded(layer):
+            return self.saved(layer), 0.0
+        rope = 0.0 if self.checkpointed(layer) else 2 * self._rotary_dim() * self.s.act_bytes * self.tokens
+        return 0.0, self.saved(layer) + rope
+
+    def _layer_kind(self, layer: int) -> str:
+        if self.offloaded(layer):
+            return "nothing on the GPU (offloaded)"
+        if not self.checkpointed(layer):
+            return "all activations"
+        return "layer input (full recompute)" if self.s.recompute == "full" else "matmul outputs (selective)"
+
+    def _kept_item(self, layers: Sequence[int], label: str) -> tuple[str, float]:
+        kinds = Counter(self._layer_kind(layer) for layer in layers)
+        text = ", ".join(f"{kind} x {count}" for kind, count in kinds.items()) or "none"
+        return f"{label}: {text}", sum(self.kept(layer)[0] for layer in layers)
+
+    def _offload_in_flight(self, layers: Sequence[int]) -> list[tuple[str, float]]:
+        """One offloaded layer's saved tensors on the GPU besides the working layer: being copied to the host in
+        forward, prefetched back for the next layer in backward."""
+        others = [layer for layer in layers[:-1] if self.offloaded(layer)]
+        if not others:
+            return []
+        return [("offload: one more layer's saved tensors (copy / prefetch)", max(self.saved(i) for i in others))]
+
+    def _host_bytes(self, stage: int) -> float:
+        host = sum(self.kept(layer)[1] for layer in self._stage_layers(stage))
+        return host * (self._in_flight(stage) if self.s.zero == 1 else 1.0)
 
     # ---- per-part bytes ----------------------------------------------------------------------------------------
     def _states(self, dense_count: float, expert_count: float) -> dict[str, float]:
@@ -478,7 +1025,7 @@ class _Estimator:
                         total[col] += val
             rows[f"all_{which}"] = total
         rows["layer_input_ckpt"] = dict.fromkeys(COLUMNS, 0.0) | {
-            "acts": self.tokens * self.d.hidden_size * self.s.act_bytes
+            "acts": self.tokens * self._checkpoint_act_bytes(last)
         }
         return rows
 
@@ -513,6 +1060,44 @@ class _Estimator:
         shared = 3 * d.shared_intermediate_size * act
         return norm + router + routed + combine + shared
 
+    def _checkpoint_act_bytes(self, layer: int) -> float:
+        """Bytes one token keeps in a fully recomputed layer: its input, plus the top-k routing decisions (fp32
+        weights, int64 ids) of an MoE layer, which recomputation reuses."""
+        d = self.d
+        routing = d.experts_per_token * (FP32 + INDEX_BYTES) if d.is_moe_layer(layer) else 0
+        return d.hidden_size * self.s.act_bytes + routing
+
+    def _selective_attn_act_bytes(self) -> float:
+        """Bytes one token keeps in a selectively recomputed attention block: the layer input and the outputs of
+        the matmuls and of attention (norms and RoPE are recomputed from them)."""
+        d, act = self.d, self.s.act_bytes
+        h, a = d.hidden_size, d.num_heads
+        lse = a * FP32 if self.s.flash_attn else a * self.s.seq_len * act  # log-sum-exp, or the scores (bmm)
+        if d.is_mla:
+            q = (d.q_lora_rank + a * d.qk_head_dim) if d.q_lora_rank else a * d.qk_head_dim  # q_a, q_b / q_proj
+            kv = d.kv_lora_rank + d.qk_rope_head_dim + a * (d.qk_nope_head_dim + d.v_head_dim)  # kv_a, kv_b
+            core = q + kv + a * d.v_head_dim  # attention output
+        else:
+            qd, kd = a * d.head_dim, d.num_kv_heads * d.head_dim
+            core = qd + kd + kd + qd  # q/k/v projection outputs, attention output
+        return (h + core + h) * act + lse  # layer input, core, o_proj output
+
+    def _selective_mlp_act_bytes(self, layer: int) -> float:
+        """Bytes one token keeps in a selectively recomputed MLP / MoE block: the matmul outputs (gate, up, down;
+        router logits) and the top-k routing decisions; norm, activation and permutations are recomputed."""
+        d, act = self.d, self.s.act_bytes
+        h = d.hidden_size
+        if not d.is_moe_layer(layer):
+            return (2 * d.intermediate_size + h) * act
+        k, i = d.experts_per_token, d.moe_intermediate_size
+        router = d.num_experts * FP32 + k * (FP32 + INDEX_BYTES)  # fp32 logits, top-k weights and ids
+        routed = self.s.capacity * k * (2 * i + h) * act  # grouped-matmul outputs: gate, up, down
+        shared = (2 * d.shared_intermediate_size + h) * act if d.shared_intermediate_size else 0
+        return router + routed + shared
+
+    def _rotary_dim(self) -> int:
+        return self.d.qk_rope_head_dim if self.d.is_mla else self.d.head_dim
+
     # ---- phases ------------------------------------------------------------------------------------------------
     def _phases(self, stage: int) -> dict[str, Phase]:
         return self._zero3_phases() if self.s.zero == 3 else self._zero1_phases(stage)
@@ -524,19 +1109,13 @@ class _Estimator:
         static = sum(r[p]["master_params"] + r[p]["opt_states"] for p in sharded)
         static_grad = sum(r[p]["master_grads"] for p in sharded)
         last = r["layer_attn"]["params"] + r["layer_mlp"]["params"] + r["layer_attn"]["acts"] + r["layer_mlp"]["acts"]
-        if self.s.recompute:
-            rest_label, rest = f"checkpoints: layer inputs x {n - 1}", r["layer_input_ckpt"]["acts"] * (n - 1)
-        else:
-            rest_label, rest = (
-                f"activations of the other {n - 1} layers",
-                sum(self._layer_acts(i) for i in layers[:-1]),
-            )
         fwd = [
             ("static: master params + Adam states (sharded)", static),
             ("gathered last layer: bf16 params + activations", last),
             ("gathered head: bf16 params + activations + loss logits", r["head"]["params"] + r["head"]["acts"]),
             ("embedding activations (token ids)", r["embed"]["acts"]),
-            (rest_label, rest),
+            self._kept_item(layers[:-1], f"kept by the other {n - 1} layers"),
+            *self._offload_in_flight(layers),
         ]
         first_mlp = r.get("first_layer_mlp", r["layer_mlp"])
         first = r["layer_attn"]["params"] + first_mlp["params"] + r["layer_attn"]["acts"] + first_mlp["acts"]
@@ -555,25 +1134,32 @@ class _Estimator:
             "microN_forward_end": Phase("microN_forward_end", sum(v for _, v in fwd2), fwd2),
         }
 
+    def _in_flight(self, stage: int) -> float:
+        """Micro-batches whose activations a 1F1B stage holds (interleaved: more)."""
+        s = self.s
+        flying = float(s.pp - stage)
+        if s.vpp > 1:
+            flying *= 1 + (s.pp - 1) / (s.pp * s.vpp)
+        return flying
+
     def _zero1_phases(self, stage: int) -> dict[str, Phase]:
         s, r = self.s, self._parts(stage)
         layers = self._stage_layers(stage)
         first_stage, last_stage = stage == 0, stage == s.pp - 1
         names = ["all_attn", "all_mlp"] + (["embed"] if first_stage else []) + (["head"] if last_stage else [])
         static = sum(r[p][c] for p in names for c in COLUMNS if c != "acts")
-        if s.recompute:
-            per_mb = r["layer_input_ckpt"]["acts"] * len(layers)
-            working = self._layer_acts(layers[-1])
-        else:
-            per_mb, working = sum(self._layer_acts(i) for i in layers), 0.0
+        per_mb_label, per_mb = self._kept_item(layers, "kept by the layers")
+        last = layers[-1]
+        # the last layer's backward starts by recomputing / restoring what it does not keep on the GPU
+        plain = not (self.checkpointed(last) or self.offloaded(last))
+        working = 0.0 if plain else self._layer_acts(last) - self.kept(last)[0]
         per_mb += r["embed"]["acts"] if first_stage else 0.0
         head = r["head"]["acts"] if last_stage else 0.0
-        flying = float(s.pp - stage)
-        if s.vpp > 1:
-            flying *= 1 + (s.pp - 1) / (s.pp * s.vpp)
+        flying = self._in_flight(stage)
         tag = f" (stage {stage})" if s.pp > 1 else ""
         static_item = (f"static: bf16 params + grads, sharded master params/grads + Adam states{tag}", static)
-        work_item = ("recompute working set: one layer's activations", working)
+        work_item = ("recompute / restore working set: the rest of one layer's activations", working)
+        extra = self._offload_in_flight(layers)
 
         def phase(name: str, items: list[tuple[str, float]]) -> Phase:
             return Phase(name + tag, sum(v for _, v in items), items)
@@ -582,7 +1168,8 @@ class _Estimator:
         return {
             "micro1_forward_end": phase(
                 "micro1_forward_end",
-                [static_item, ("activations of 1 micro-batch", per_mb), work_item, ("head", head)],
+                [static_item, (f"activations of 1 micro-batch ({per_mb_label})", per_mb), work_item, ("head", head)]
+                + extra,
             ),
             "micro1_backward_end": phase(
                 "micro1_backward_end", [static_item, ("first layer activations", first_acts)]
@@ -590,7 +1177,8 @@ class _Estimator:
             "microN_forward_end": phase(
                 "microN_forward_end",
                 [static_item, (f"activations of {flying:g} in-flight micro-batches", per_mb * flying), work_item]
-                + [("head", head)],
+                + [("head", head)]
+                + extra,
             ),
         }
 
