@@ -97,7 +97,7 @@ class SequenceContext:
         return (self.cu_seq_lens[1:] - self.cu_seq_lens[:-1]).tolist()
 
     def to(self, device: torch.device | str) -> SequenceContext:
-        """Move every tensor to ``device``."""
+        """Move every tensor to ``device``, those in ``extras`` (e.g. the images of a pack) included."""
 
         def move(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.to(device, non_blocking=True)
@@ -108,6 +108,7 @@ class SequenceContext:
             cu_seq_lens=move(self.cu_seq_lens),
             position_ids=move(self.position_ids),
             inputs_embeds=move(self.inputs_embeds),
+            extras={k: move(v) if isinstance(v, torch.Tensor) else v for k, v in self.extras.items()},
         )
 
     def document_ids(self) -> torch.Tensor:

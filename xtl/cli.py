@@ -13,6 +13,7 @@ Examples::
 from __future__ import annotations
 
 import logging
+import os
 import re
 import sys
 import warnings
@@ -20,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from jsonargparse import set_parsing_settings
+from jsonargparse import Namespace, set_parsing_settings
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from xtl.data import XTLDataModule
@@ -95,9 +96,27 @@ class XTLCLI(LightningCLI):
             run=run,
         )
 
+    def before_instantiate_classes(self) -> None:
+        """Resolve the run's relative output paths against ``trainer.default_root_dir``; count steps in the bar."""
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        root_outputs_at(config)
+        trainer = config.trainer
+        bars = [c for c in trainer.callbacks or [] if "ProgressBar" in str(getattr(c, "class_path", ""))]
+        if trainer.enable_progress_bar is not False and not bars:
+            bar = Namespace(class_path="xtl.callbacks.StepProgressBar", init_args=Namespace(refresh_rate=1))
+            trainer.callbacks = [*(trainer.callbacks or []), bar]
+
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``xtl`` console script."""
+    try:
+        return _main(argv)
+    except BrokenPipeError:  # output piped into a reader that stopped early (``| head``): not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+def _main(argv: list[str] | None) -> int:
     explicit = argv is not None
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] not in LIGHTNING_SUBCOMMANDS and not argv[0].startswith("-"):
@@ -125,6 +144,24 @@ def main(argv: list[str] | None = None) -> int:
         print(f"xtl: error: {short_message(cause)}", file=sys.stderr)
         return 2
     return 0
+
+
+def root_outputs_at(config: Any) -> None:
+    """Make ``trainer.default_root_dir`` the one folder a run writes to.
+
+    Relative ``save_dir`` of the loggers and relative ``dirpath`` of the callbacks (checkpoints, HF exports) are
+    taken relative to ``trainer.default_root_dir`` and made absolute, so ``--trainer.default_root_dir DIR`` moves
+    everything the run writes (logs, the saved config, checkpoints, exports, reports). Absolute paths stay.
+    """
+    trainer = config.trainer
+    root = Path(trainer.default_root_dir or ".").resolve()
+    trainer.default_root_dir = str(root)
+    loggers = trainer.logger if isinstance(trainer.logger, list) else [trainer.logger]
+    for entry, key in [(e, "save_dir") for e in loggers] + [(c, "dirpath") for c in trainer.callbacks or []]:
+        init_args = getattr(entry, "init_args", None)
+        value = getattr(init_args, key, None) if init_args is not None else None
+        if isinstance(value, str) and not Path(value).is_absolute():
+            setattr(init_args, key, str(root / value))
 
 
 def moved_key_error(argv: list[str]) -> str | None:

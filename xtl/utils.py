@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+from xtl.errors import ConfigError
 
 TINY_ASSETS_DIR = Path(__file__).resolve().parent / "assets" / "tiny"
 TINY_PREFIX = "tiny:"
@@ -22,16 +25,54 @@ def resolve_path(value: str) -> str:
     Anything else is returned unchanged.
 
     Raises:
-        ValueError: ``env:VAR`` names an unset variable.
+        ConfigError: ``env:VAR`` names an unset variable.
     """
     if value.startswith(ENV_PREFIX):
         name = value[len(ENV_PREFIX) :]
         if name not in os.environ:
-            raise ValueError(f"{value!r}: environment variable {name} is not set; export it or pass the path directly")
+            raise ConfigError(
+                f"{value!r}: environment variable {name} is not set; export it or pass the path directly"
+            )
         value = os.environ[name]
     if value.startswith(TINY_PREFIX):
         return str(TINY_ASSETS_DIR / value[len(TINY_PREFIX) :])
     return str(Path(value).expanduser()) if value.startswith("~") else value
+
+
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+HUB_FILES = ("*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktoken")
+
+
+def resolve_pretrained(value: str, what: str) -> str:
+    """A local directory for ``value``: a path (see :func:`resolve_path`) or a Hugging Face hub id.
+
+    A hub id (``Qwen/Qwen3-0.6B``) that is not a local path resolves through ``huggingface_hub``: the local HF cache
+    when it holds the files, else a download (config, weights, tokenizer files only). ``HF_HUB_OFFLINE=1`` keeps it
+    to the cache.
+
+    Args:
+        value: Path, ``env:VAR``, ``tiny:NAME`` or hub id.
+        what: The YAML key it came from, for error messages (e.g. ``model.init_args.model``).
+
+    Raises:
+        ConfigError: A hub id that is neither cached nor downloadable (offline, unknown repository, no access).
+    """
+    path = resolve_path(value)
+    if Path(path).exists() or not HUB_ID.match(path):
+        return path
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        return snapshot_download(path, allow_patterns=list(HUB_FILES))
+    except LocalEntryNotFoundError:
+        offline = " and the hub is offline (HF_HUB_OFFLINE=1)" if constants.HF_HUB_OFFLINE else ""
+        raise ConfigError(
+            f"{what}: {path!r} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}){offline}; download it "
+            "once with network access, or give a local directory"
+        ) from None
+    except (HfHubHTTPError, OSError) as err:
+        raise ConfigError(f"{what}: cannot fetch {path!r} from the Hugging Face hub ({err}); check the id") from None
 
 
 @contextmanager

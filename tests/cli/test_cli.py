@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import json
 import os
 import subprocess
 import sys
@@ -138,6 +139,20 @@ class TestTinyRecipesRun:
         assert (run / "checkpoints" / "last.ckpt").exists()
         assert next(run.glob("logs/version_*/config.yaml")).is_file()
 
+    def test_default_root_dir_moves_everything_the_run_writes(self, tmp_path, monkeypatch, data_cache):
+        work, out = tmp_path / "work", tmp_path / "out"
+        work.mkdir()
+        monkeypatch.chdir(work)
+        args = _tiny_args(
+            ROOT / "configs/tiny_sft.yaml", data_cache, "--config", str(ROOT / "callbacks/hf_export.yaml")
+        )
+        assert _run_main(["fit", *args, "--trainer.default_root_dir", str(out), "--trainer.max_steps", "2"]) == 0
+        assert not any(work.iterdir()), f"written outside default_root_dir: {sorted(work.rglob('*'))}"
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "work"]
+        assert (out / "checkpoints" / "last.ckpt").is_file() and (out / "hf" / "final" / "config.json").is_file()
+        assert next(out.glob("logs/version_*/metrics.csv")).is_file()
+        assert next(out.glob("logs/version_*/config.yaml")).is_file()
+
     def test_resume_from_the_saved_config(self, tmp_path, monkeypatch, data_cache):
         monkeypatch.chdir(tmp_path)
         args = ["fit", *_tiny_args(ROOT / "configs/tiny_sft.yaml", data_cache), "--trainer.max_steps", "2"]
@@ -147,6 +162,16 @@ class TestTinyRecipesRun:
         metrics = sorted(Path("runs/tiny_sft/logs").glob("version_*/metrics.csv"))[-1]
         steps = [int(row["step"]) for row in csv.DictReader(metrics.open()) if row.get("train/loss")]
         assert steps == [2], "the resumed run continues at step 2 of the saved run"
+
+    def test_extending_a_finished_run_continues_its_epoch_and_steps(self, tmp_path, monkeypatch, data_cache):
+        """The last checkpoint of a run that ended at max_steps with validation: extended, it goes on at step 2."""
+        monkeypatch.chdir(tmp_path)
+        args = ["fit", *_tiny_args(ROOT / "configs/tiny_sft.yaml", data_cache), "--trainer.val_check_interval", "2"]
+        assert _run_main([*args, "--trainer.max_steps", "2"]) == 0
+        assert _run_main([*args, "--trainer.max_steps", "4", "--ckpt_path", "last"]) == 0
+        metrics = sorted(Path("runs/tiny_sft/logs").glob("version_*/metrics.csv"))[-1]
+        rows = [row for row in csv.DictReader(metrics.open()) if row.get("train/loss")]
+        assert [(row["epoch"], row["step"]) for row in rows] == [("0", "2"), ("0", "3")]
 
     def test_validate_alone_runs_the_evaluation_callbacks(self, tmp_path, monkeypatch, data_cache):
         monkeypatch.chdir(tmp_path)
@@ -213,7 +238,7 @@ class TestFSDPResume:
     def test_ten_steps_equal_five_plus_resume_five_on_two_ranks(self, tmp_path, data_cache):
         full = self._fit(tmp_path / "full", data_cache, 10)
         self._fit(tmp_path / "split", data_cache, 5)
-        assert (tmp_path / "split/ckpt/last.ckpt").is_dir(), "FSDP checkpoints are DCP directories"
+        assert (tmp_path / "split/runs/tiny_sft/ckpt/last.ckpt").is_dir(), "FSDP checkpoints are DCP directories"
         resumed = self._fit(tmp_path / "split", data_cache, 10, ckpt="last")
         assert len(full) == 10
         assert [resumed[s] for s in range(5, 10)] == [full[s] for s in range(5, 10)]
@@ -222,3 +247,76 @@ class TestFSDPResume:
         model = AutoModelForCausalLM.from_pretrained(export)
         logits = model(input_ids=torch.arange(12)[None]).logits
         assert logits.shape == (1, 12, 1600) and torch.isfinite(logits).all()
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory: pytest.TempPathFactory, data_cache: Path) -> Path:
+    """A directory holding a 1-step tiny SFT run (checkpoint and HF export under ``runs/tiny_sft``)."""
+    work = tmp_path_factory.mktemp("tiny_run")
+    args = _tiny_args(ROOT / "configs/tiny_sft.yaml", data_cache, "--config", str(ROOT / "callbacks/hf_export.yaml"))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(work)
+        assert _run_main(["fit", *args, "--trainer.max_steps", "1", "--trainer.val_check_interval", "1"]) == 0
+    return work
+
+
+class TestTestPredictAndGenerate:
+    CKPT = "runs/tiny_sft/checkpoints/last.ckpt"
+
+    def test_test_logs_the_test_sets(self, tiny_run, monkeypatch, data_cache):
+        monkeypatch.chdir(tiny_run)
+        assert (
+            _run_main(["test", *_tiny_args(ROOT / "configs/tiny_sft.yaml", data_cache), "--ckpt_path", self.CKPT]) == 0
+        )
+        metrics = max(Path("runs/tiny_sft").rglob("metrics.csv"), key=lambda p: p.stat().st_mtime)
+        logged = {k for row in csv.DictReader(metrics.open()) for k, v in row.items() if v}
+        assert {"test/loss", "test/perplexity", "test/token_accuracy"} <= logged
+        assert not any(key.startswith("val/") for key in logged)
+
+    def test_predict_writes_one_answer_per_prompt(self, tiny_run, monkeypatch, data_cache):
+        monkeypatch.chdir(tiny_run)
+        conversations = [
+            [{"role": "user", "content": "What is 2+3?"}],
+            [{"role": "user", "content": "Repeat: pencil"}, {"role": "assistant", "content": "pencil"}],
+            [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Uppercase: stone"}],
+        ]
+        prompts = tiny_run / "prompts.jsonl"
+        prompts.write_text("".join(json.dumps({"messages": m}) + "\n" for m in conversations))
+        args = [
+            "predict",
+            *_tiny_args(ROOT / "configs/tiny_sft.yaml", data_cache),
+            "--ckpt_path",
+            self.CKPT,
+            "--data.predict_source",
+            str(prompts),
+            "--data.predict_batch_size",
+            "2",
+            "--model.init_args.generation.max_new_tokens",
+            "6",
+        ]
+        assert _run_main(args) == 0
+        rows = [json.loads(line) for line in Path("runs/tiny_sft/predictions.jsonl").read_text().splitlines()]
+        assert [row["messages"] for row in rows] == conversations
+        assert all(isinstance(row["output"], str) for row in rows)
+        assert not list(Path("runs/tiny_sft").glob(".predictions.jsonl.tmp-*")), "written through a temporary name"
+
+    def test_generate_answers_from_the_checkpoint_and_from_its_hf_export(self, tiny_run, monkeypatch, capsys):
+        monkeypatch.chdir(tiny_run)
+        prompt = ["--prompt", "What is 2+3?", "--max-new-tokens", "8"]
+        assert main(["generate", "--model", self.CKPT, *prompt]) == 0
+        from_ckpt = capsys.readouterr().out
+        assert main(["generate", "--model", "runs/tiny_sft/hf/final", "--template", "qwen3", *prompt]) == 0
+        assert capsys.readouterr().out == from_ckpt
+        assert from_ckpt.endswith("\n")
+
+    @pytest.mark.parametrize("model", ["missing.ckpt", "runs", "runs/tiny_sft/logs"])
+    def test_generate_rejects_a_bad_path_in_one_line(self, tiny_run, monkeypatch, capsys, model):
+        monkeypatch.chdir(tiny_run)
+        assert main(["generate", "--model", model, "--prompt", "hi"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and model in err
+
+    def test_generate_rejects_a_bad_option_naming_it(self, tiny_run, monkeypatch, capsys):
+        monkeypatch.chdir(tiny_run)
+        assert main(["generate", "--model", self.CKPT, "--prompt", "hi", "--top-p", "0"]) == 2
+        assert "top_p" in capsys.readouterr().err

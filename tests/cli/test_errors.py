@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -51,6 +53,15 @@ class TestBadData:
                 "--trainer.enable_progress_bar", "false"]  # fmt: skip
         code, err = _run(args, capsys)
         _assert_short(code, err, f"{path}{expected}")
+
+
+class TestPipes:
+    def test_output_piped_into_head_ends_quietly(self):
+        command = [sys.executable, "-m", "xtl", "memory", "qwen3-8b", "--format", "json"]
+        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        proc.stdout.close()  # the reader is gone before xtl writes, as with `| head` on a slow start
+        err = proc.stderr.read().decode()
+        assert proc.wait(timeout=120) == 0 and "Traceback" not in err and "BrokenPipe" not in err, err
 
 
 class TestBadConfig:

@@ -52,7 +52,7 @@ def _fit(cwd: Path, recipe: str, cache: Path, *extra: str) -> dict[int, str]:
 
 def _resume_from(run: Path, cwd: Path, cache: Path, recipe: str, *layout: str) -> dict[int, str]:
     """Continue ``run``'s step-2 checkpoint to step 4 in ``cwd``, in the layout ``layout`` gives."""
-    (ckpt,) = (run / "ckpt").glob("*step=2.ckpt")
+    (ckpt,) = (run / "runs/tiny_moe_ep/ckpt").glob("*step=2.ckpt")
     assert ckpt.is_dir(), "FSDP/EP checkpoints are DCP directories"
     return _fit(cwd, recipe, cache, "--trainer.max_steps", "4", "--model.init_args.schedule.decay_steps", "4",
                 "--ckpt_path", str(ckpt), *layout)  # fmt: skip

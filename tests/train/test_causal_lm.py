@@ -182,3 +182,36 @@ class TestAtomicCheckpoint:
         monkeypatch.undo()
         assert torch.load(path)["step"] == 1
         assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]
+
+
+class TestPrecision:
+    def test_bf16_mixed_keeps_fp32_masters_and_computes_in_bf16(self, make_datamodule, make_trainer):
+        seen: list[torch.dtype] = []
+
+        class LayerDtype(pl.Callback):
+            def on_train_start(self, trainer, pl_module):
+                proj = pl_module.model.layers[0].mlp.down_proj
+                proj.register_forward_hook(lambda mod, args, out: seen.append(out.dtype))
+
+        module = CausalLM(model=TINY_MODEL, optimizer=AdamWConfig(lr=1e-2))
+        trainer = make_trainer(3, callbacks=[LayerDtype(), LossRecorder()], precision="bf16-mixed")
+        trainer.fit(module, datamodule=make_datamodule())
+        assert set(seen) == {torch.bfloat16}, "matmuls compute in bf16 (autocast; the residual stream stays fp32)"
+        assert {p.dtype for p in module.model.parameters()} == {torch.float32}, "fp32 master weights"
+        states = [s for state in module.optimizers().optimizer.state.values() for s in state.values() if s.dim()]
+        assert states and {s.dtype for s in states} == {torch.float32}, "fp32 optimizer state"
+        assert trainer.callbacks[1].losses[3] < trainer.callbacks[1].losses[1]
+
+    def test_pure_bf16_without_fsdp_is_warned(self, make_datamodule, make_trainer):
+        module = CausalLM(model=TINY_MODEL, param_dtype="bfloat16")
+        with pytest.warns(UserWarning, match="no fp32 master weights"):
+            make_trainer(1).fit(module, datamodule=make_datamodule())
+        assert {p.dtype for p in module.model.parameters()} == {torch.bfloat16}
+
+    def test_fsdp_cpu_offload_on_cpu_is_refused_clearly(self, make_datamodule, make_trainer):
+        from xtl.errors import ConfigError
+        from xtl.strategies import FSDPStrategy
+
+        trainer = make_trainer(1, strategy=FSDPStrategy(cpu_offload=True, process_group_backend="gloo"))
+        with pytest.raises(ConfigError, match="cpu_offload .* remove cpu_offload"):
+            trainer.fit(CausalLM(model=TINY_MODEL), datamodule=make_datamodule())

@@ -11,7 +11,7 @@ import torch
 from lightning.pytorch.trainer.states import TrainerFn
 
 from xtl.data.item import DataError
-from xtl.train.generation import greedy_generate
+from xtl.train.generation import GenerationConfig, chat_prompt_ids, generate, split_thinking
 from xtl.utils import resolve_path
 
 
@@ -20,9 +20,10 @@ class GenerationEval(pl.Callback):
 
     Each line holds ``messages`` (the last assistant turn, if present, is dropped from the prompt) and the expected
     ``answer`` (default: that assistant turn's content). The prompt is rendered with the datamodule's tokenizer
-    chat template and a generation prompt; decoding stops at the tokenizer's EOS or the template's stop token, and a
-    leading thinking block (``... </think>``) is removed before scoring. Runs every ``every_n_steps``
-    optimizer steps during fit, and at the end of each validation epoch (so ``xtl validate`` runs it too).
+    chat template and a generation prompt; decoding (cached, ``batch_size`` prompts at a time) stops at the
+    tokenizer's EOS or the template's stop token, and a leading thinking block (``... </think>``) is removed before
+    scoring. Runs every ``every_n_steps`` optimizer steps during fit, and at the end of each validation epoch (so
+    ``xtl validate`` runs it too).
 
     Args:
         path: JSONL file (``tiny:sft_eval.jsonl`` is the embedded tiny task's held-out set).
@@ -31,6 +32,7 @@ class GenerationEval(pl.Callback):
         max_samples: Evaluate the first ``max_samples`` lines.
         max_new_tokens: Decoding budget per prompt.
         name: Metric name suffix: logs ``eval/<name>``.
+        batch_size: Prompts decoded together.
     """
 
     def __init__(
@@ -41,15 +43,19 @@ class GenerationEval(pl.Callback):
         max_samples: int = 64,
         max_new_tokens: int = 16,
         name: str | None = None,
+        batch_size: int = 32,
     ) -> None:
         if metric not in ("exact_match", "contains"):
             raise ValueError(f"GenerationEval.metric must be exact_match or contains, got {metric!r}")
+        if batch_size < 1:
+            raise ValueError(f"GenerationEval.batch_size must be >= 1, got {batch_size}")
         self.path = path
         self.metric = metric
         self.every_n_steps = every_n_steps
         self.max_samples = max_samples
         self.max_new_tokens = max_new_tokens
         self.name = name or metric
+        self.batch_size = batch_size
         self.history: list[tuple[int, float]] = []
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
@@ -67,24 +73,19 @@ class GenerationEval(pl.Callback):
 
     def evaluate(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> float:
         """Score the eval set now; returns the share of correct answers."""
-        datamodule = trainer.datamodule
-        tokenizer = datamodule.load_tokenizer()
-        stop = {tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|eot_id|>") if t in tokenizer.vocab}
-        if tokenizer.eos_token_id is not None:
-            stop.add(tokenizer.eos_token_id)
-        was_training = pl_module.model.training
-        pl_module.model.eval()
-        correct = 0
+        tokenizer = trainer.datamodule.load_tokenizer()
+        config = GenerationConfig(max_new_tokens=self.max_new_tokens).with_tokenizer(tokenizer)
+        stop = set(config.stop_token_ids)
         samples = self._samples()
-        for messages, answer in samples:
-            prompt = tokenizer.apply_chat_template(
-                messages, tokenize=True, add_generation_prompt=True, return_dict=False
-            )
-            out = greedy_generate(pl_module.model, list(prompt), self.max_new_tokens, stop)
-            text = tokenizer.decode([t for t in out if t not in stop], skip_special_tokens=False)
-            text = text.split("</think>", 1)[-1].strip()  # score the answer, not a (possibly empty) thinking block
-            correct += int(text == answer.strip() if self.metric == "exact_match" else answer.strip() in text)
-        pl_module.model.train(was_training)
+        correct = 0
+        for start in range(0, len(samples), self.batch_size):
+            chunk = samples[start : start + self.batch_size]
+            prompts = [chat_prompt_ids(tokenizer, messages) for messages, _ in chunk]
+            outputs = generate(pl_module.model, prompts, config).sequences
+            for (_, answer), out in zip(chunk, outputs):
+                text = tokenizer.decode([t for t in out if t not in stop], skip_special_tokens=False)
+                _, text = split_thinking(text)  # score the answer, not a (possibly empty) thinking block
+                correct += int(text == answer.strip() if self.metric == "exact_match" else answer.strip() in text)
         return correct / max(1, len(samples))
 
     def _evaluate_and_log(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

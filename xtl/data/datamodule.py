@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -27,7 +28,7 @@ from xtl.data.packing import (
 from xtl.data.sampler import EvalStepSampler, RankSteps, SamplerOrder, StepSampler
 from xtl.data.sources import SourceSpec, open_source
 from xtl.data.tokenize import build_tokenize_fn
-from xtl.utils import resolve_path
+from xtl.utils import resolve_path, resolve_pretrained
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +73,15 @@ class XTLDataModule(pl.LightningDataModule):
         rank (int | None): Data-parallel rank override (default: from the trainer, else torch.distributed, else 0).
         world_size (int | None): Data-parallel world size override.
         progress (bool): Show tokenization progress bars.
+        test_sources (dict[str, list[SourceSpec]] | None): Named test sets (``xtl test``), as ``val_sources``.
+        predict_source (str | None): JSONL of ``{"messages": [...]}`` prompts for ``xtl predict`` (a trailing
+            assistant turn, e.g. a reference answer, is not part of the prompt).
+        predict_batch_size (int): Prompts decoded together by ``predict``.
+        predict_output (str | None): Where ``predict`` writes its JSONL (default
+            ``<trainer.default_root_dir>/predictions.jsonl``).
+        image_processor (dict | None): Image settings (:class:`xtl.data.multimodal.ImageProcessorConfig` fields:
+            ``patch_size``, ``merge_size``, ``min_pixels``, ``max_pixels``, ...). When set, ``kind: chat`` sources
+            may hold image content parts (``docs/data.md``, "Images").
     """
 
     def __init__(
@@ -98,6 +108,11 @@ class XTLDataModule(pl.LightningDataModule):
         rank: int | None = None,
         world_size: int | None = None,
         progress: bool = True,
+        test_sources: dict[str, list[SourceSpec]] | None = None,
+        predict_source: str | None = None,
+        predict_batch_size: int = 8,
+        predict_output: str | None = None,
+        image_processor: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         if not sources:
@@ -112,6 +127,14 @@ class XTLDataModule(pl.LightningDataModule):
         self.num_workers = num_workers
         self.cache_dir = Path(cache_dir).expanduser() if cache_dir else DEFAULT_CACHE_DIR.expanduser()
         self.val_sources = {k: [_as_spec(s) for s in v] for k, v in (val_sources or {}).items()}
+        self.test_sources = {k: [_as_spec(s) for s in v] for k, v in (test_sources or {}).items()}
+        if predict_batch_size < 1:
+            raise DataError(f"predict_batch_size must be >= 1, got {predict_batch_size}")
+        self.predict_source = predict_source
+        self.predict_batch_size = predict_batch_size
+        self.predict_output = predict_output
+        self.image_processor = image_processor
+        self._image_indexes: dict[Path, Any] = {}
         self.sampler_order = sampler
         self.pack_preset = pack_preset
         self.sampler_preset = sampler_preset
@@ -127,6 +150,7 @@ class XTLDataModule(pl.LightningDataModule):
         self.tokenizer: Any = None
         self.train_split: PackedSplit | None = None
         self.val_splits: dict[str, PackedSplit] = {}
+        self.test_splits: dict[str, PackedSplit] = {}
         self._consumed_samples = 0
         self._train_loader: ResumableDataLoader | None = None
 
@@ -134,7 +158,8 @@ class XTLDataModule(pl.LightningDataModule):
 
     def prepare_data(self) -> None:
         """Build the tokenization caches (runs on one process per node; others find them warm in ``setup``)."""
-        for spec in self.sources + [s for specs in self.val_sources.values() for s in specs]:
+        eval_sets = [*self.val_sources.values(), *self.test_sources.values()]
+        for spec in self.sources + [s for specs in eval_sets for s in specs]:
             self._cache(spec)
 
     def setup(self, stage: str | None = None) -> None:
@@ -148,15 +173,13 @@ class XTLDataModule(pl.LightningDataModule):
         self.train_split = self._split(self.sources, self.packing, self.pack_preset)
         report = self.train_split.plan.report()
         log.info("xtl data: %s sources %s, packing %s", self.packing, self.train_split.data.summary(), report)
-        if report["dropped_overlong"] or report["truncated_overlong"]:
-            log.warning(
-                "xtl data: %d samples longer than pack_max_length=%d were %s",
-                report["dropped_overlong"] or report["truncated_overlong"],
-                self.pack_max_length,
-                "dropped" if report["dropped_overlong"] else "truncated",
-            )
+        if self.data_parallel_rank()[0] == 0:
+            print(packing_summary(report, self.pack_max_length, len(self.sources)), flush=True)
+        eval_packing = "best_fit" if self.packing == "preset" else self.packing
         for name, specs in self.val_sources.items():
-            self.val_splits[name] = self._split(specs, "best_fit" if self.packing == "preset" else self.packing, None)
+            self.val_splits[name] = self._split(specs, eval_packing, None)
+        for name, specs in self.test_sources.items():
+            self.test_splits[name] = self._split(specs, eval_packing, None)
 
     def train_dataloader(self) -> ResumableDataLoader:
         """This rank's training step batches, resuming at ``consumed_samples``.
@@ -198,21 +221,41 @@ class XTLDataModule(pl.LightningDataModule):
             list[DataLoader]: The loaders (empty when there are no validation sources).
         """
         self.setup()
-        rank, world = self.data_parallel_rank()
-        loaders = []
-        collate = self._collator()
-        for name in self.val_set_names:
-            steps = RankSteps(self.val_splits[name].packs, self.val_micro_batches, rank, world)
-            loaders.append(
-                torch.utils.data.DataLoader(
-                    steps,
-                    batch_size=None,
-                    sampler=EvalStepSampler(len(steps)),
-                    collate_fn=collate,
-                    num_workers=self.num_workers,
-                )
-            )
-        return loaders
+        return self._eval_loaders(self.val_splits)
+
+    def test_dataloader(self) -> list[torch.utils.data.DataLoader]:
+        """One loader per named test set, in ``test_set_names`` order, batched as :meth:`val_dataloader`.
+
+        Returns:
+            list[DataLoader]: The loaders.
+
+        Raises:
+            DataError: Without ``test_sources``.
+        """
+        if not self.test_sources:
+            raise DataError("test needs data.test_sources: named sets in the format of val_sources")
+        self.setup()
+        return self._eval_loaders(self.test_splits)
+
+    def predict_dataloader(self) -> torch.utils.data.DataLoader:
+        """The prompts of ``predict_source`` in file order, ``predict_batch_size`` at a time, the same on every rank
+        (generation under a sharded strategy needs every rank in every forward).
+
+        Each batch is a list of ``{"messages": [...], "prompt": [...]}`` rows, ``prompt`` being ``messages``
+        without a trailing assistant turn.
+
+        Returns:
+            DataLoader: The prompt batches.
+
+        Raises:
+            DataError: Without ``predict_source``, or for a line that is not ``{"messages": [...]}``.
+        """
+        if not self.predict_source:
+            raise DataError('predict needs data.predict_source: a JSONL file of {"messages": [...]} prompts')
+        rows = _prompt_rows(Path(_resolve(self.predict_source)))
+        return torch.utils.data.DataLoader(
+            rows, batch_size=self.predict_batch_size, sampler=EvalStepSampler(len(rows)), collate_fn=list
+        )
 
     def state_dict(self) -> dict[str, Any]:
         """Data resume state (``consumed_samples``), saved by Lightning in the checkpoint.
@@ -246,6 +289,11 @@ class XTLDataModule(pl.LightningDataModule):
         """Names of the validation sets, in ``dataloader_idx`` order."""
         return list(self.val_sources)
 
+    @property
+    def test_set_names(self) -> list[str]:
+        """Names of the test sets, in ``dataloader_idx`` order."""
+        return list(self.test_sources)
+
     def data_parallel_rank(self) -> tuple[int, int]:
         """``(rank, world_size)`` of data parallelism: explicit overrides, the trainer's strategy, torch.distributed.
 
@@ -273,7 +321,7 @@ class XTLDataModule(pl.LightningDataModule):
         if self.tokenizer is None:
             from transformers import AutoTokenizer
 
-            path = _resolve(self.tokenizer_path)
+            path = resolve_pretrained(self.tokenizer_path, "data.tokenizer")
             if not Path(path).exists():
                 raise DataError(f"tokenizer {path} does not exist; set `tokenizer` to a folder with tokenizer.json")
             self.tokenizer = AutoTokenizer.from_pretrained(path)
@@ -284,8 +332,9 @@ class XTLDataModule(pl.LightningDataModule):
     def _cache(self, spec: SourceSpec):
         tokenizer = self.load_tokenizer()
         source = open_source(_resolved_spec(spec), hf_cache_dir=self.cache_dir / "hf")
+        kind = "vlm_chat" if self.image_processor is not None and spec.kind == "chat" else spec.kind
         fn = build_tokenize_fn(
-            spec.kind,
+            kind,
             tokenizer,
             template=self.template,
             text_key=spec.text_key,
@@ -294,8 +343,14 @@ class XTLDataModule(pl.LightningDataModule):
             chunk_overlap=spec.chunk_overlap,
             template_kwargs=self.template_kwargs,
             eos_token=self.pretrain_eos_token,
+            image_processor=self.image_processor,
         )
-        return build_cache(source, fn, self.cache_dir, num_proc=self.tokenize_workers, progress=self.progress)
+        cache = build_cache(source, fn, self.cache_dir, num_proc=self.tokenize_workers, progress=self.progress)
+        if kind == "vlm_chat":
+            from xtl.data.multimodal import load_image_index
+
+            self._image_indexes[cache.directory] = load_image_index(cache, source, fn)
+        return cache
 
     def _split(self, specs: list[SourceSpec], packing: str, preset: str | None) -> PackedSplit:
         caches = [self._cache(s) for s in specs]
@@ -316,7 +371,34 @@ class XTLDataModule(pl.LightningDataModule):
             plan = preset_pack(_resolve(preset), data.num_tokens, self.pack_max_length)
         else:
             raise DataError(f"unknown packing {packing!r}; use best_fit, hard or preset")
-        return PackedSplit(data, plan, PackedDataset(data, plan))
+        packs = PackedDataset(data, plan)
+        if self.image_processor is not None:
+            packs = self._vision_packs(packs, caches)
+        return PackedSplit(data, plan, packs)
+
+    def _vision_packs(self, packs: PackedDataset, caches: list[Any]) -> Any:
+        from xtl.data.multimodal import IMAGE_TOKEN, ImageProcessorConfig, SampleImages, VisionPackedDataset
+
+        indexes = [self._image_indexes.get(c.directory) or [SampleImages(str(c.directory))] * len(c) for c in caches]
+        image_token_id = int(self.load_tokenizer().convert_tokens_to_ids(IMAGE_TOKEN))
+        return VisionPackedDataset(packs, indexes, ImageProcessorConfig.from_any(self.image_processor), image_token_id)
+
+    def _eval_loaders(self, splits: dict[str, PackedSplit]) -> list[torch.utils.data.DataLoader]:
+        rank, world = self.data_parallel_rank()
+        collate = self._collator()
+        loaders = []
+        for split in splits.values():
+            steps = RankSteps(split.packs, self.val_micro_batches, rank, world)
+            loaders.append(
+                torch.utils.data.DataLoader(
+                    steps,
+                    batch_size=None,
+                    sampler=EvalStepSampler(len(steps)),
+                    collate_fn=collate,
+                    num_workers=self.num_workers,
+                )
+            )
+        return loaders
 
     def _collator(self) -> StepCollator:
         tokenizer = self.load_tokenizer()
@@ -324,8 +406,43 @@ class XTLDataModule(pl.LightningDataModule):
         return StepCollator(int(pad_id or 0), self.pack_max_length if self.pad_to_max_length else None)
 
 
+def packing_summary(report: dict[str, float | int], pack_max_length: int, num_sources: int) -> str:
+    """One line for the start of a run: packs, documents, fill ratio, overlong documents dropped or truncated."""
+    line = (
+        f"xtl data: {report['documents']} documents from {num_sources} source(s) -> {report['packs']} packs of "
+        f"<= {pack_max_length} tokens, fill {report['fill_ratio']:.3f}"
+    )
+    if report["dropped_overlong"]:
+        line += f", {report['dropped_overlong']} documents longer than pack_max_length dropped"
+    if report["truncated_overlong"]:
+        line += (
+            f", {report['truncated_overlong']} documents truncated to pack_max_length "
+            f"({report['truncated_tokens']} tokens cut)"
+        )
+    return line
+
+
 def _resolve(path: str) -> str:
     return resolve_path(path)
+
+
+def _prompt_rows(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        raise DataError(f"predict_source {path} does not exist")
+    rows = []
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                messages = json.loads(line)["messages"]
+            except (json.JSONDecodeError, KeyError, TypeError) as err:
+                raise DataError(f"{path}:{lineno}: expected a JSON object with 'messages' ({err})") from err
+            if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+                raise DataError(f"{path}:{lineno}: 'messages' must be a list of {{'role': ..., 'content': ...}}")
+            prompt = messages[:-1] if messages and messages[-1].get("role") == "assistant" else messages
+            rows.append({"messages": messages, "prompt": prompt})
+    return rows
 
 
 def _resolved_spec(spec: SourceSpec) -> SourceSpec:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from xtl.module.kv_cache import NO_LAYER_KV_CACHE, LayerKVCache
 from xtl.module.norm import RMSNorm
 from xtl.ops.attention import AttentionMaskSpec, get_attn_impl_fn
 from xtl.ops.rope import apply_rotary_pos_emb
@@ -63,8 +64,12 @@ class MultiHeadAttention(nn.Module):
         hidden_states: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         mask: AttentionMaskSpec,
+        kv_cache: LayerKVCache = NO_LAYER_KV_CACHE,
     ) -> torch.Tensor:
-        """Attend ``hidden_states`` ``(B, T, C)`` under ``mask``; returns ``(B, T, C)``."""
+        """Attend ``hidden_states`` ``(B, T, C)`` under ``mask``; returns ``(B, T, C)``.
+
+        ``kv_cache`` stores this call's keys and values and returns every cached one to attend over.
+        """
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
         q = self.q_proj(hidden_states).view(hidden_shape)
@@ -75,6 +80,7 @@ class MultiHeadAttention(nn.Module):
         v = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         cos, sin = position_embeddings
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        k, v = kv_cache.update(k, v)
         out = self.attend(q, k, v, mask.with_window(self.sliding_window))
         return self.o_proj(out.reshape(*input_shape, -1).contiguous())
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from xtl.module.kv_cache import NO_LAYER_KV_CACHE, LayerKVCache
 from xtl.module.norm import RMSNorm
 from xtl.ops.attention import AttentionMaskSpec
 
@@ -13,7 +14,7 @@ class DecoderLayer(nn.Module):
     """``x + attn(norm(x))`` then ``x + mlp(norm(x))``.
 
     Args:
-        self_attn: Attention module called as ``self_attn(h, position_embeddings, mask)``.
+        self_attn: Attention module called as ``self_attn(h, position_embeddings, mask, kv_cache)``.
         mlp: Feed-forward module called as ``mlp(h)``.
         hidden_size: Model width.
         rms_norm_eps: Epsilon of both norms.
@@ -39,10 +40,11 @@ class DecoderLayer(nn.Module):
         hidden_states: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         mask: AttentionMaskSpec,
+        kv_cache: LayerKVCache = NO_LAYER_KV_CACHE,
     ) -> torch.Tensor:
-        """Run the layer on ``(B, T, C)`` hidden states."""
+        """Run the layer on ``(B, T, C)`` hidden states (``kv_cache``: this layer's cache, when decoding)."""
         residual = hidden_states
-        hidden_states = self.self_attn(self.input_layernorm(hidden_states), position_embeddings, mask)
+        hidden_states = self.self_attn(self.input_layernorm(hidden_states), position_embeddings, mask, kv_cache)
         hidden_states = residual + hidden_states
         residual = hidden_states
         hidden_states = self.mlp(self.post_attention_layernorm(hidden_states))

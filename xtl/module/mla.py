@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from xtl.module.kv_cache import NO_LAYER_KV_CACHE, LayerKVCache
 from xtl.module.norm import RMSNorm
 from xtl.ops.attention import AttentionMaskSpec, flash_attention, get_attn_impl_fn
 from xtl.ops.rope import apply_rotary_pos_emb
@@ -78,8 +79,13 @@ class MultiLatentAttention(nn.Module):
         hidden_states: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         mask: AttentionMaskSpec,
+        kv_cache: LayerKVCache = NO_LAYER_KV_CACHE,
     ) -> torch.Tensor:
-        """Attend ``hidden_states`` ``(B, T, C)`` under ``mask``; returns ``(B, T, C)``."""
+        """Attend ``hidden_states`` ``(B, T, C)`` under ``mask``; returns ``(B, T, C)``.
+
+        ``kv_cache`` stores this call's per-head keys and values (expanded from the latent) and returns every
+        cached one to attend over.
+        """
         batch, seq_len = hidden_states.shape[:-1]
         if hasattr(self, "q_proj"):
             q = self.q_proj(hidden_states)
@@ -97,7 +103,7 @@ class MultiLatentAttention(nn.Module):
         rotary = apply_rotary_pos_emb_interleave if self.rope_interleave else apply_rotary_pos_emb
         q_rot, k_rot = rotary(q_rot, k_rot, cos, sin)
         q = torch.cat((q_pass, q_rot), dim=-1)
-        k, v = self._expand_kv(kv_latent, k_rot)
+        k, v = kv_cache.update(*self._expand_kv(kv_latent, k_rot))
 
         attn = get_attn_impl_fn(self.attn_impl)
         pad = attn is flash_attention and self.v_head_dim != self.qk_head_dim  # flash needs equal head dims

@@ -8,6 +8,7 @@ from torch import nn
 from xtl.module.decoder_layer import DecoderLayer
 from xtl.module.dispatcher import LocalDispatcher, MoEDispatcher
 from xtl.module.experts import GroupedExperts
+from xtl.module.kv_cache import NO_LAYER_KV_CACHE, LayerKVCache
 from xtl.module.router import Router, RouterOutput
 from xtl.ops.attention import AttentionMaskSpec
 
@@ -57,10 +58,11 @@ class MoEDecoderLayer(DecoderLayer):
         hidden_states: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         mask: AttentionMaskSpec,
+        kv_cache: LayerKVCache = NO_LAYER_KV_CACHE,
     ) -> tuple[torch.Tensor, RouterOutput]:
         """Run the layer on ``(B, T, C)``; returns the new hidden states and the router output."""
         residual = hidden_states
-        hidden_states = self.self_attn(self.input_layernorm(hidden_states), position_embeddings, mask)
+        hidden_states = self.self_attn(self.input_layernorm(hidden_states), position_embeddings, mask, kv_cache)
         hidden_states = residual + hidden_states
         residual = hidden_states
         hidden_states, routing = self.mlp(self.post_attention_layernorm(hidden_states))

@@ -1,7 +1,8 @@
 """Attention implementations behind one selector.
 
-Every implementation takes ``q (B, H, T, D)``, ``k``/``v`` ``(B, Hkv, T, D)`` and an :class:`AttentionMaskSpec`
-describing which keys each query may see, and returns ``(B, T, H, D)``.
+Every implementation takes ``q (B, H, T, D)``, ``k``/``v`` ``(B, Hkv, S, D)`` and an :class:`AttentionMaskSpec`
+describing which keys each query may see, and returns ``(B, T, H, D)``. ``S`` is ``T``, or more when the keys
+include cached ones (decoding with a KV cache): the queries are then the last ``T`` keys.
 
 - ``eager``: bitwise equal to transformers' ``eager_attention_forward`` (fp32 softmax, same op order).
 - ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention``; packed batches run per document (CPU default).
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -31,10 +32,13 @@ class AttentionMaskSpec:
     Attributes:
         cu_seq_lens: Packed-document boundaries (batch of 1); ``None`` for an ordinary ``(B, T)`` batch.
         max_seq_len: Longest document of a packed batch.
-        padding_mask: ``(B, T)`` with 1 for real tokens, 0 for padding (ordinary batches only).
+        padding_mask: ``(B, S)`` over the keys with 1 for real tokens, 0 for padding (ordinary batches only).
         sliding_window: Keys further than ``sliding_window - 1`` positions back are hidden.
         doc_bounds: ``cu_seq_lens`` as Python ints, read once per forward (not once per layer: on GPU each read
             is a device-to-host sync).
+
+    With ``S`` keys for ``T < S`` queries (cached keys, :class:`xtl.module.kv_cache.KVCache`) the queries are the
+    last ``T`` keys, and the masks are built once per forward and shared by its layers.
     """
 
     cu_seq_lens: torch.Tensor | None = None
@@ -42,33 +46,48 @@ class AttentionMaskSpec:
     padding_mask: torch.Tensor | None = None
     sliding_window: int | None = None
     doc_bounds: list[int] | None = None
+    built: dict[tuple, torch.Tensor] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.cu_seq_lens is not None and self.doc_bounds is None:
             self.doc_bounds = self.cu_seq_lens.tolist()
 
     def with_window(self, sliding_window: int | None) -> AttentionMaskSpec:
-        """The same spec for a layer with the given sliding window."""
-        return replace(self, sliding_window=sliding_window)
+        """The same spec for a layer with the given sliding window (sharing the masks built for the forward)."""
+        spec = replace(self, sliding_window=sliding_window)
+        spec.built = self.built
+        return spec
 
-    def boolean_mask(self, batch: int, seq_len: int, device: torch.device) -> torch.Tensor:
-        """``(B, 1, T, T)`` boolean mask, True where attention is allowed (transformers' convention)."""
-        q_idx = torch.arange(seq_len, device=device)
-        allowed = q_idx[None, :] <= q_idx[:, None]
+    def boolean_mask(self, batch: int, seq_len: int, device: torch.device, kv_len: int | None = None) -> torch.Tensor:
+        """``(B, 1, T, S)`` boolean mask, True where attention is allowed (transformers' convention).
+
+        ``kv_len`` is the number of keys ``S`` (default ``T``; more with cached keys, the queries being the last).
+        """
+        kv_len = seq_len if kv_len is None else kv_len
+        key = (batch, seq_len, kv_len, self.sliding_window, device)
+        if key in self.built:
+            return self.built[key]
+        k_idx = torch.arange(kv_len, device=device)
+        q_idx = k_idx[kv_len - seq_len :, None]
+        allowed = k_idx <= q_idx
         if self.sliding_window is not None:
-            allowed = allowed & (q_idx[None, :] > q_idx[:, None] - self.sliding_window)
+            allowed = allowed & (k_idx > q_idx - self.sliding_window)
         if self.cu_seq_lens is not None:
             lengths = (self.cu_seq_lens[1:] - self.cu_seq_lens[:-1]).long().to(device)
             doc = torch.repeat_interleave(torch.arange(lengths.numel(), device=device), lengths)
             allowed = allowed & (doc[:, None] == doc[None, :])
-        allowed = allowed[None, None].expand(batch, 1, seq_len, seq_len)
+        allowed = allowed[None, None].expand(batch, 1, seq_len, kv_len)
         if self.padding_mask is not None:
             allowed = allowed & self.padding_mask.bool().to(device)[:, None, None, :]
+        if kv_len != seq_len:  # decoding with cached keys: every layer of the forward asks for the same mask
+            self.built[key] = allowed
         return allowed
 
-    def additive_mask(self, batch: int, seq_len: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """``(B, 1, T, T)`` additive mask: 0 where allowed, ``finfo(dtype).min`` elsewhere (as transformers)."""
-        allowed = self.boolean_mask(batch, seq_len, device)
+    def additive_mask(
+        self, batch: int, seq_len: int, dtype: torch.dtype, device: torch.device, kv_len: int | None = None
+    ) -> torch.Tensor:
+        """``(B, 1, T, S)`` additive mask: 0 where allowed, ``finfo(dtype).min`` elsewhere (as transformers)."""
+        allowed = self.boolean_mask(batch, seq_len, device, kv_len)
         return torch.where(allowed, torch.zeros((), device=device, dtype=dtype), torch.finfo(dtype).min)
 
 
@@ -135,7 +154,7 @@ def eager_attention(
     key_states = repeat_kv(k, n_rep)
     value_states = repeat_kv(v, n_rep)
     attn_weights = torch.matmul(q, key_states.transpose(2, 3)) * scaling
-    attn_weights = attn_weights + mask.additive_mask(q.shape[0], q.shape[2], attn_weights.dtype, q.device)
+    attn_weights = attn_weights + mask.additive_mask(q.shape[0], q.shape[2], attn_weights.dtype, q.device, k.shape[2])
     if sinks is not None:
         sink_logits = sinks.reshape(1, -1, 1, 1).expand(q.shape[0], -1, q.shape[-2], -1)
         combined = torch.cat([attn_weights, sink_logits], dim=-1)
@@ -166,7 +185,11 @@ def sdpa_attention(
     if sinks is not None:
         return eager_attention(q, k, v, mask, scaling, dropout, sinks)
     gqa = q.shape[1] != k.shape[1]
-    if mask.sliding_window is None and mask.padding_mask is None:
+    unmasked = mask.sliding_window is None and mask.padding_mask is None
+    if unmasked and q.shape[2] == 1:  # one query per row, the last key: it sees every key
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=scaling, enable_gqa=gqa)
+        return out.transpose(1, 2).contiguous()
+    if unmasked and q.shape[2] == k.shape[2]:
         if mask.doc_bounds is None or len(mask.doc_bounds) == 2:
             out = F.scaled_dot_product_attention(
                 q, k, v, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=gqa
@@ -186,7 +209,7 @@ def sdpa_attention(
             for s, e in zip(bounds[:-1], bounds[1:])
         ]
         return torch.cat(outs, dim=2).transpose(1, 2).contiguous()
-    allowed = mask.boolean_mask(q.shape[0], q.shape[2], q.device)
+    allowed = mask.boolean_mask(q.shape[0], q.shape[2], q.device, k.shape[2])
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout, scale=scaling, enable_gqa=gqa)
     return out.transpose(1, 2).contiguous()
 
@@ -203,7 +226,7 @@ def flash_attention(
     """flash-attn varlen kernel over packed documents (GPU only)."""
     from flash_attn import flash_attn_varlen_func
 
-    if sinks is not None or mask.padding_mask is not None:
+    if sinks is not None or mask.padding_mask is not None or q.shape[2] != k.shape[2]:
         return sdpa_attention(q, k, v, mask, scaling, dropout, sinks)
     batch, heads, seq_len, head_dim = q.shape
     if mask.cu_seq_lens is None:

@@ -10,6 +10,7 @@ from typing import Any, Literal
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 
+from xtl.errors import ConfigError
 from xtl.model import BaseModel
 from xtl.strategies.expert_parallel import (
     ExpertParallelMeshes,
@@ -87,6 +88,11 @@ class FSDPStrategy(ShardedStrategyMixin, ModelParallelStrategy):
         self._data_parallel_size = self.num_nodes * self.num_processes
         self._tensor_parallel_size = 1
         super().setup_environment()
+        if self.cpu_offload and self.root_device.type == "cpu":
+            raise ConfigError(
+                "trainer.strategy.init_args.cpu_offload moves GPU parameters, gradients and optimizer states to the "
+                "CPU; with accelerator cpu they are on the CPU already: remove cpu_offload (or train on GPUs)"
+            )
         world = self.world_size
         replicate = self.data_parallel_replicate_size
         shard = world // replicate if self.data_parallel_shard_size == "auto" else int(self.data_parallel_shard_size)

@@ -21,6 +21,7 @@ of the individual features.
 
 from __future__ import annotations
 
+import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -107,8 +108,21 @@ class ParallelizingStrategy(ABC):
         return model
 
     def apply_param_dtype(self, model: BaseModel, dtype: torch.dtype) -> BaseModel:
-        """Give the parameters their training dtype (default: cast; sharding strategies use mixed precision)."""
-        return model if dtype == torch.float32 else model.to(dtype)
+        """Give the parameters their training dtype (default: cast; sharding strategies use mixed precision).
+
+        A cast to a 16-bit dtype is pure low-precision training (no fp32 master weights, 16-bit optimizer state):
+        it is warned about; ``trainer.precision: bf16-mixed`` is the usual single-device choice.
+        """
+        if dtype == torch.float32:
+            return model
+        name = str(dtype).removeprefix("torch.")
+        warnings.warn(
+            f"param_dtype {name} without FSDP trains {name} parameters directly, with no fp32 master weights and a "
+            "16-bit optimizer state; for mixed precision with fp32 master weights keep param_dtype float32 and set "
+            "trainer.precision: bf16-mixed",
+            stacklevel=2,
+        )
+        return model.to(dtype)
 
     def set_gradient_sync(self, model: BaseModel, enabled: bool) -> None:  # noqa: B027 - a no-op by default
         """Reduce gradients after the next backward (``False`` accumulates locally; default: nothing to sync)."""

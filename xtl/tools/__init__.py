@@ -17,6 +17,8 @@ _MODULES = {
     "memory": "xtl.tools.memory",
     "convert": "xtl.tools.convert",
     "check-hf-config": "xtl.tools.check_hf_config",
+    "generate": "xtl.tools.generate",
+    "check-parity": "xtl.tools.check_parity",
 }
 
 

@@ -2,9 +2,11 @@
 
 from xtl.train.base import LanguageModule
 from xtl.train.causal_lm import CausalLM
-from xtl.train.model_spec import resolve_model_config, resolve_path
+from xtl.train.model_spec import resolve_model_config
 from xtl.train.moe_causal_lm import MoECausalLM
 from xtl.train.optim import AdamWConfig, OptimizerConfig, ScheduleConfig
+from xtl.train.vision_lm import VisionLM, VisionMoELM
+from xtl.utils import resolve_path
 
 __all__ = [
     "AdamWConfig",
@@ -13,6 +15,8 @@ __all__ = [
     "MoECausalLM",
     "OptimizerConfig",
     "ScheduleConfig",
+    "VisionLM",
+    "VisionMoELM",
     "resolve_model_config",
     "resolve_path",
 ]

@@ -2,21 +2,26 @@
 
 from __future__ import annotations
 
+import json
 import math
 import time
 import warnings
+from pathlib import Path
 from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
 import torchmetrics
+from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
 from xtl.model import BaseModel, ModelOutput
 from xtl.strategies.parallelize import ModelTransform, ParallelizingStrategy, SingleDevice, WeightSource
+from xtl.train.generation import GenerationConfig, chat_prompt_ids, generate, split_thinking
 from xtl.train.model_spec import resolve_model_config
 from xtl.train.optim import AdamWConfig, OptimizerConfig, ScheduleConfig
 from xtl.train.step import StepResult, forward_backward, grad_norm_and_clip
+from xtl.utils import atomic_write_bytes
 
 
 class LanguageModule(pl.LightningModule):
@@ -41,6 +46,7 @@ class LanguageModule(pl.LightningModule):
         max_grad_norm: Clip the global gradient norm to this (``None``: no clipping, norm still logged).
         seed: Seed of weight initialization.
         param_dtype: Dtype of the parameters without FSDP mixed precision (``float32`` or ``bfloat16``).
+        generation: Decoding settings of ``predict`` (greedy by default; the tokenizer's stop tokens are added).
     """
 
     def __init__(
@@ -53,6 +59,7 @@ class LanguageModule(pl.LightningModule):
         max_grad_norm: float | None = 1.0,
         seed: int = 0,
         param_dtype: Literal["float32", "bfloat16"] = "float32",
+        generation: GenerationConfig | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -65,7 +72,11 @@ class LanguageModule(pl.LightningModule):
         self.model: BaseModel | None = None
         self.skipped_steps = 0
         self.tokens_seen = 0
+        self.generation = generation or GenerationConfig()
         self._val_metrics = nn.ModuleDict()
+        self._test_metrics = nn.ModuleDict()
+        self._predictions: list[dict[str, Any]] = []
+        self._predict_generator: torch.Generator | None = None
 
     # ---- model -----------------------------------------------------------------------------------------------
 
@@ -150,39 +161,74 @@ class LanguageModule(pl.LightningModule):
     def after_optimizer_step(self, result: StepResult) -> None:
         """Hook after a successful optimizer step (e.g. MoE router bias updates)."""
 
-    # ---- validation ------------------------------------------------------------------------------------------
+    # ---- validation, test, predict ---------------------------------------------------------------------------
 
     def validation_step(self, batch: list[Any], batch_idx: int, dataloader_idx: int = 0) -> None:
         """Accumulate loss, token count and token accuracy of one eval set (torchmetrics, synced across ranks)."""
-        metrics = self._metrics_for(dataloader_idx)
-        for mb in batch:
-            out = self.model(seq_ctx=mb.seq_ctx, labels=mb.labels, return_logits=True)
-            mask = mb.labels != -100
-            correct = ((out.logits.argmax(-1) == mb.labels) & mask).sum()
-            metrics["loss_sum"].update(out.loss_sum.detach().float())
-            metrics["tokens"].update(out.num_tokens.float())
-            metrics["correct"].update(correct.float())
-        if not batch:  # keep collective calls aligned when a rank has no eval packs left
-            for metric in metrics.values():
-                metric.update(torch.zeros((), device=self.device))
+        self._eval_step(self._val_metrics, batch, dataloader_idx)
 
     def on_validation_epoch_end(self) -> None:
         """Log ``val/loss``, ``val/perplexity`` and ``val/token_accuracy`` for each named eval set."""
-        for key, metrics in self._val_metrics.items():
-            loss_sum, tokens, correct = (metrics[k].compute() for k in ("loss_sum", "tokens", "correct"))
-            loss = loss_sum / tokens.clamp(min=1)
-            prefix = "val" if key == "0" and len(self._val_metrics) == 1 else f"val/{self._set_name(int(key))}"
-            self.log(f"{prefix}/loss", loss, sync_dist=False, prog_bar=prefix == "val")
-            self.log(f"{prefix}/perplexity", torch.exp(loss.clamp(max=50)), sync_dist=False)
-            self.log(f"{prefix}/token_accuracy", correct / tokens.clamp(min=1), sync_dist=False)
-            for metric in metrics.values():
-                metric.reset()
+        self._log_eval_metrics("val", self._val_metrics)
+
+    def test_step(self, batch: list[Any], batch_idx: int, dataloader_idx: int = 0) -> None:
+        """As :meth:`validation_step`, on a test set."""
+        self._eval_step(self._test_metrics, batch, dataloader_idx)
+
+    def on_test_epoch_end(self) -> None:
+        """Log ``test/loss``, ``test/perplexity`` and ``test/token_accuracy`` (``test/<name>/...`` for several)."""
+        self._log_eval_metrics("test", self._test_metrics)
+
+    def on_predict_epoch_start(self) -> None:
+        """Start a predict run: no rows yet, the sampling generator seeded with ``generation.seed``."""
+        self._predictions = []
+        self._predict_generator = torch.Generator(device=self.device).manual_seed(self.generation.seed)
+
+    def predict_step(self, batch: list[dict[str, Any]], batch_idx: int, dataloader_idx: int = 0) -> list[dict]:
+        """Answer a batch of prompt rows (:meth:`XTLDataModule.predict_dataloader`) with cached decoding.
+
+        Prompts are rendered with the datamodule's tokenizer and chat template plus a generation prompt; decoding
+        uses ``generation`` and stops at the tokenizer's and template's stop tokens.
+
+        Returns:
+            One ``{"messages": ..., "output": answer}`` row per prompt (plus ``reasoning`` when the reply opens
+            with a non-empty thinking block).
+        """
+        datamodule = self.trainer.datamodule
+        tokenizer = datamodule.load_tokenizer()
+        template, template_kwargs = datamodule.template, datamodule.template_kwargs
+        config = self.generation.with_tokenizer(tokenizer, template)
+        prompts = [chat_prompt_ids(tokenizer, row["prompt"], template, template_kwargs) for row in batch]
+        outputs = generate(self.model, prompts, config, self._predict_generator).sequences
+        rows = []
+        for row, out in zip(batch, outputs):
+            text = tokenizer.decode([t for t in out if t not in config.stop_token_ids], skip_special_tokens=False)
+            reasoning, answer = split_thinking(text)
+            rows.append(
+                {"messages": row["messages"], "output": answer, **({"reasoning": reasoning} if reasoning else {})}
+            )
+        self._predictions.extend(rows)
+        return rows
+
+    def on_predict_epoch_end(self) -> None:
+        """Write the predictions as JSONL, atomically, to ``data.predict_output`` (default
+        ``<default_root_dir>/predictions.jsonl``); rank 0 writes (every rank decodes every prompt)."""
+        if not self.trainer.is_global_zero:
+            return
+        output = getattr(self.trainer.datamodule, "predict_output", None)
+        path = Path(output) if output else Path(self.trainer.default_root_dir) / "predictions.jsonl"
+        lines = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in self._predictions)
+        atomic_write_bytes(path, lines.encode("utf-8"))
+        rank_zero_info(f"xtl predict: wrote {len(self._predictions)} predictions to {path}")
 
     # ---- checkpoint ------------------------------------------------------------------------------------------
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Store counters that must survive a resume."""
+        """Store counters that must survive a resume; a run stopped by ``max_steps`` stays mid-epoch."""
         checkpoint["xtl"] = {"skipped_steps": self.skipped_steps, "tokens_seen": self.tokens_seen}
+        trainer = self._trainer
+        if trainer is not None and 0 < trainer.max_steps <= trainer.global_step:
+            _reopen_epoch(checkpoint)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Restore the counters stored by :meth:`on_save_checkpoint`."""
@@ -241,15 +287,60 @@ class LanguageModule(pl.LightningModule):
         if not math.isfinite(float(loss)):
             warnings.warn(f"step {self.global_step}: train/loss is {float(loss)}", stacklevel=1)
 
-    def _metrics_for(self, dataloader_idx: int) -> nn.ModuleDict:
+    def _eval_step(self, sets: nn.ModuleDict, batch: list[Any], dataloader_idx: int) -> None:
+        metrics = self._metrics_for(sets, dataloader_idx)
+        for mb in batch:
+            out = self.model(seq_ctx=mb.seq_ctx, labels=mb.labels, return_logits=True)
+            mask = mb.labels != -100
+            correct = ((out.logits.argmax(-1) == mb.labels) & mask).sum()
+            metrics["loss_sum"].update(out.loss_sum.detach().float())
+            metrics["tokens"].update(out.num_tokens.float())
+            metrics["correct"].update(correct.float())
+        if not batch:  # keep collective calls aligned when a rank has no eval packs left
+            for metric in metrics.values():
+                metric.update(torch.zeros((), device=self.device))
+
+    def _log_eval_metrics(self, stage: str, sets: nn.ModuleDict) -> None:
+        for key, metrics in sets.items():
+            loss_sum, tokens, correct = (metrics[k].compute() for k in ("loss_sum", "tokens", "correct"))
+            loss = loss_sum / tokens.clamp(min=1)
+            prefix = stage if key == "0" and len(sets) == 1 else f"{stage}/{self._set_name(stage, int(key))}"
+            self.log(f"{prefix}/loss", loss, sync_dist=False, prog_bar=prefix == stage)
+            self.log(f"{prefix}/perplexity", torch.exp(loss.clamp(max=50)), sync_dist=False)
+            self.log(f"{prefix}/token_accuracy", correct / tokens.clamp(min=1), sync_dist=False)
+            for metric in metrics.values():
+                metric.reset()
+
+    def _metrics_for(self, sets: nn.ModuleDict, dataloader_idx: int) -> nn.ModuleDict:
         key = str(dataloader_idx)
-        if key not in self._val_metrics:
-            self._val_metrics[key] = nn.ModuleDict(
+        if key not in sets:
+            sets[key] = nn.ModuleDict(
                 {name: torchmetrics.SumMetric().to(self.device) for name in ("loss_sum", "tokens", "correct")}
             )
-        return self._val_metrics[key]
+        return sets[key]
 
-    def _set_name(self, dataloader_idx: int) -> str:
+    def _set_name(self, stage: str, dataloader_idx: int) -> str:
         datamodule = getattr(self.trainer, "datamodule", None)
-        names = getattr(datamodule, "val_set_names", None) or []
+        names = getattr(datamodule, f"{stage}_set_names", None) or []
         return names[dataloader_idx] if dataloader_idx < len(names) else str(dataloader_idx)
+
+
+def _reopen_epoch(checkpoint: dict[str, Any]) -> None:
+    """Record the current epoch as unfinished in a checkpoint written when ``max_steps`` ended the run.
+
+    Lightning closes the epoch when ``max_steps`` stops a run, although the data epoch goes on (the sampler
+    resumes from ``consumed_samples``). A run extended from such a checkpoint (``--ckpt_path last`` with a larger
+    ``max_steps``) would otherwise start a new epoch, with its step labels shifted by one. A save made by the
+    end-of-run validation also comes after the stepped-batch counter moved on, which the restart counts once more.
+    """
+    loop = checkpoint.get("loops", {}).get("fit_loop", {})
+    progress = loop.get("epoch_progress")
+    if progress is None or progress["current"]["completed"] < progress["current"]["started"]:
+        return
+    for scope in ("total", "current"):
+        progress[scope]["processed"] -= 1
+        progress[scope]["completed"] -= 1
+    checkpoint["epoch"] = max(0, checkpoint.get("epoch", 1) - 1)
+    validation = loop.get("epoch_loop.val_loop.batch_progress", {})
+    if validation.get("is_last_batch") and validation["current"]["completed"] > 0:
+        loop["epoch_loop.state_dict"]["_batches_that_stepped"] -= 1  # Lightning's restart adds it again

@@ -1,31 +1,290 @@
-"""Greedy decoding with an xtl model (no KV cache: for evaluation of small models and short answers)."""
+"""Cached decoding with an xtl model: greedy or sampled (temperature, top-k, top-p), stop tokens, a token budget.
+
+:func:`generate` prefills a batch of prompts into a :class:`~xtl.module.kv_cache.KVCache` (packed: the prompts
+laid end to end, no padding; or padded: left-padded like transformers), then decodes one token per sequence and
+step, attending over the cache. It works for every model family (dense, MoE, multi-head latent attention, sink
+attention). With ``XTL_HF_IMPL=1`` and the padded prefill, greedy decoding is bitwise equal to transformers'
+``generate(do_sample=False)`` (logits included). The prompt helpers render chat prompts and find stop tokens.
+
+Example::
+
+    config = GenerationConfig(max_new_tokens=32, stop_token_ids=(eos,))
+    new_ids = generate(model, [prompt_ids_a, prompt_ids_b], config).sequences
+"""
 
 from __future__ import annotations
 
-import torch
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
 
+import torch
+from torch.distributed.tensor import DTensor
+
+from xtl.batch import SequenceContext
+from xtl.data.templates import HF_TEMPLATE, TEMPLATES, get_template
 from xtl.model import BaseModel
+from xtl.module.kv_cache import KVCache
+
+PREFILLS = ("packed", "padded")
+THINK_END = "</think>"
+
+
+@dataclass
+class GenerationConfig:
+    """How to decode.
+
+    Args:
+        max_new_tokens: Tokens to generate per prompt at most.
+        temperature: 0 decodes greedily (argmax); above 0 samples from ``softmax(logits / temperature)``.
+        top_k: When sampling, keep the ``top_k`` most likely tokens (0: all).
+        top_p: When sampling, keep the smallest set of most likely tokens whose probability reaches ``top_p``
+            (nucleus sampling; 1.0: all).
+        seed: Seed of the sampling generator when :func:`generate` is given none.
+        stop_token_ids: A sequence ends after emitting one of these (the stop token is part of its output).
+        pad_token_id: Fed to sequences that have stopped while others go on (as transformers does).
+        prefill: ``packed`` (prompts end to end, no padding) or ``padded`` (left padding, as transformers).
+
+    Raises:
+        ValueError: Naming the first setting out of range.
+    """
+
+    max_new_tokens: int = 32
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    pad_token_id: int = 0
+    prefill: Literal["packed", "padded"] = "packed"
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0: greedy), got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0: off), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1] (1: off), got {self.top_p}")
+        if self.prefill not in PREFILLS:
+            raise ValueError(f"prefill must be one of {PREFILLS}, got {self.prefill!r}")
+        self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
+
+    @property
+    def do_sample(self) -> bool:
+        """Whether tokens are sampled (``temperature > 0``) rather than chosen greedily."""
+        return self.temperature > 0
+
+    def with_tokenizer(self, tokenizer: Any, template: str | None = None) -> GenerationConfig:
+        """This config plus the stop tokens of ``tokenizer`` and ``template`` (:func:`stop_token_ids`), feeding
+        the tokenizer's pad token (if it has one) to finished sequences."""
+        stop = tuple(sorted({*self.stop_token_ids, *stop_token_ids(tokenizer, template)}))
+        pad = self.pad_token_id if tokenizer.pad_token_id is None else int(tokenizer.pad_token_id)
+        return replace(self, stop_token_ids=stop, pad_token_id=pad)
+
+
+@dataclass
+class GenerationOutput:
+    """What :func:`generate` returns.
+
+    Attributes:
+        sequences: The new tokens of each prompt (without the prompt; ending with the stop token if one came).
+        logits: Per step, the ``(B, V)`` float32 next-token logits of every sequence (with ``output_logits``).
+    """
+
+    sequences: list[list[int]]
+    logits: list[torch.Tensor] = field(default_factory=list)
 
 
 @torch.no_grad()
+def generate(
+    model: BaseModel,
+    prompts: Sequence[Sequence[int]],
+    config: GenerationConfig | None = None,
+    generator: torch.Generator | None = None,
+    output_logits: bool = False,
+) -> GenerationOutput:
+    """Decode continuations of ``prompts`` with a KV cache (the model runs in eval mode meanwhile).
+
+    Args:
+        model: An xtl model (dense or MoE family).
+        prompts: Token ids of each prompt (non-empty).
+        config: Decoding settings (default: greedy, 32 new tokens, no stop token).
+        generator: Random generator for sampling (default: one seeded with ``config.seed`` on the model's device).
+        output_logits: Keep each step's next-token logits in the output.
+
+    Returns:
+        GenerationOutput: The new tokens of each prompt (and the logits when asked).
+
+    Raises:
+        ValueError: For an empty prompt.
+    """
+    config = config or GenerationConfig()
+    if not prompts:
+        return GenerationOutput([])
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("generate: every prompt needs at least one token")
+    device = next(model.parameters()).device
+    if generator is None and config.do_sample:
+        generator = torch.Generator(device=device).manual_seed(config.seed)
+    was_training = model.training
+    model.eval()
+    try:
+        return _decode(model, [list(p) for p in prompts], config, generator, output_logits, device)
+    finally:
+        model.train(was_training)
+
+
 def greedy_generate(
     model: BaseModel, prompt_ids: list[int], max_new_tokens: int, stop_ids: set[int] | None = None
 ) -> list[int]:
-    """Append up to ``max_new_tokens`` argmax tokens to ``prompt_ids``; stop after a token in ``stop_ids``.
+    """Greedy continuation of one prompt (shorthand for :func:`generate`).
 
     Returns:
         The generated ids (without the prompt, including the stop token if reached).
     """
-    device = next(model.parameters()).device
-    ids = torch.tensor([prompt_ids], device=device)
-    generated: list[int] = []
-    for _ in range(max_new_tokens):
-        logits = model(input_ids=ids).logits
-        if hasattr(logits, "full_tensor"):
-            logits = logits.full_tensor()
-        token = int(logits[0, -1].argmax())
-        generated.append(token)
-        if stop_ids and token in stop_ids:
+    config = GenerationConfig(max_new_tokens=max_new_tokens, stop_token_ids=tuple(sorted(stop_ids or ())))
+    return generate(model, [prompt_ids], config).sequences[0]
+
+
+def sample_next(logits: torch.Tensor, config: GenerationConfig, generator: torch.Generator | None) -> torch.Tensor:
+    """Choose the next token of each row of ``logits`` ``(B, V)``: argmax, or a sample after temperature, top-k and
+    top-p (in transformers' order)."""
+    if not config.do_sample:
+        return logits.argmax(dim=-1)
+    scores = logits / config.temperature
+    if config.top_k:
+        kth = torch.topk(scores, min(config.top_k, scores.shape[-1]), dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if config.top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, descending=False, dim=-1)
+        cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
+        drop = cumulative <= 1 - config.top_p
+        drop[..., -1:] = False  # the most likely token always stays
+        scores = scores.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    probs = scores.softmax(dim=-1)
+    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
+
+
+def chat_prompt_ids(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    template: str | None = None,
+    template_kwargs: dict[str, Any] | None = None,
+) -> list[int]:
+    """Token ids of ``messages`` rendered with a generation prompt.
+
+    Args:
+        tokenizer: A transformers tokenizer.
+        messages: OpenAI-style messages (a trailing assistant turn is part of the prompt: drop it before).
+        template: A built-in xtl template (``qwen3``, ``chatml``, ``qwen2.5``, ``llama3``), or ``None`` / ``hf``
+            for the tokenizer's own chat template.
+        template_kwargs: Built-in template overrides (e.g. ``date_string`` for llama3).
+    """
+    if template in (None, HF_TEMPLATE):
+        ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
+        return list(ids)
+    text = get_template(template, **(template_kwargs or {})).render(messages, add_generation_prompt=True).text
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def stop_token_ids(tokenizer: Any, template: str | None = None) -> tuple[int, ...]:
+    """The tokenizer's EOS, the end-of-turn tokens it knows (``<|im_end|>``, ``<|eot_id|>``) and the stop token of
+    the built-in ``template``, sorted."""
+    names = {"<|im_end|>", "<|eot_id|>"}
+    if template in TEMPLATES:
+        names.add(TEMPLATES[template].stop_token)
+    vocab = tokenizer.get_vocab()
+    stop = {vocab[name] for name in names if name in vocab}
+    if tokenizer.eos_token_id is not None:
+        stop.add(int(tokenizer.eos_token_id))
+    return tuple(sorted(stop))
+
+
+def split_thinking(text: str) -> tuple[str, str]:
+    """``(reasoning, answer)`` of a decoded reply: the text before and after a leading ``... </think>``."""
+    if THINK_END not in text:
+        return "", text.strip()
+    reasoning, answer = text.split(THINK_END, 1)
+    return reasoning.replace("<think>", "", 1).strip(), answer.strip()
+
+
+# ---- private ---------------------------------------------------------------------------------------------------
+
+
+def _decode(
+    model: BaseModel,
+    prompts: list[list[int]],
+    config: GenerationConfig,
+    generator: torch.Generator | None,
+    output_logits: bool,
+    device: torch.device,
+) -> GenerationOutput:
+    batch = len(prompts)
+    lengths = [len(p) for p in prompts]
+    cache = KVCache(batch, max(lengths) + config.max_new_tokens)
+    logits = _prefill(model, prompts, config, cache, device)
+    positions = torch.tensor(lengths, device=device)[:, None]
+    stop = torch.tensor(config.stop_token_ids, dtype=torch.long, device=device)
+    finished = torch.zeros(batch, dtype=torch.bool, device=device)
+    ones = torch.ones(batch, 1, dtype=torch.long, device=device)
+    steps: list[torch.Tensor] = []
+    kept: list[torch.Tensor] = []
+    for step in range(config.max_new_tokens):
+        if output_logits:
+            kept.append(logits)
+        token = sample_next(logits, config, generator).masked_fill(finished, config.pad_token_id)
+        steps.append(token)
+        finished = finished | torch.isin(token, stop)
+        if step + 1 == config.max_new_tokens or bool(finished.all()):
             break
-        ids = torch.cat([ids, torch.tensor([[token]], device=device)], dim=1)
-    return generated
+        out = model(
+            input_ids=token[:, None], attention_mask=ones, position_ids=positions, kv_cache=cache, logits_to_keep=1
+        )
+        positions = positions + 1
+        logits = _last_logits(out.logits)
+    return GenerationOutput(_cut_at_stop(torch.stack(steps, dim=1).tolist(), set(config.stop_token_ids)), kept)
+
+
+def _prefill(
+    model: BaseModel, prompts: list[list[int]], config: GenerationConfig, cache: KVCache, device: torch.device
+) -> torch.Tensor:
+    """Run the prompts into ``cache``; returns the ``(B, V)`` float32 logits of each prompt's last token."""
+    if config.prefill == "packed":
+        ids = torch.tensor([[t for p in prompts for t in p]], device=device)
+        seq_ctx = SequenceContext.from_lengths(ids, [len(p) for p in prompts])
+        out = model(seq_ctx=seq_ctx, kv_cache=cache, logits_to_keep=seq_ctx.cu_seq_lens[1:].long() - 1)
+        return _full(out.logits)[0].float()
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), config.pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        attention_mask[row, width - len(prompt) :] = 1
+    position_ids = (attention_mask.cumsum(-1) - 1).masked_fill(attention_mask == 0, 1)
+    out = model(
+        input_ids=ids.to(device),
+        attention_mask=attention_mask.to(device),
+        position_ids=position_ids.to(device),
+        kv_cache=cache,
+        logits_to_keep=1,
+    )
+    return _last_logits(out.logits)
+
+
+def _last_logits(logits: torch.Tensor) -> torch.Tensor:
+    return _full(logits)[:, -1].float()
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """A replicated tensor from a tensor-parallel (DTensor) output; a plain tensor unchanged."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def _cut_at_stop(rows: list[list[int]], stop: set[int]) -> list[list[int]]:
+    out = []
+    for row in rows:
+        end = next((i + 1 for i, t in enumerate(row) if t in stop), len(row))
+        out.append(row[:end])
+    return out

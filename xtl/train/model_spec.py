@@ -8,7 +8,7 @@ from typing import Any
 
 from xtl.errors import ConfigError, did_you_mean
 from xtl.model import MODEL_TYPES, TransformerConfig, get_model_config, get_model_config_from_hf
-from xtl.utils import resolve_path
+from xtl.utils import resolve_pretrained
 
 
 def resolve_model_config(
@@ -17,7 +17,8 @@ def resolve_model_config(
     """Resolve a model spec.
 
     Args:
-        model: An HF model directory (config and weights), ``env:VAR`` naming one, a registered alias
+        model: An HF model directory (config and weights), ``env:VAR`` naming one, a Hugging Face hub id
+            (``Qwen/Qwen3-0.6B``: the local HF cache or a download), a registered alias
             (``qwen3-8b``: its config, random init), or a dict ``{"model_type": ..., <config fields>}``.
         overrides: Config fields to replace (e.g. ``{"attn_impl": "sdpa"}``).
 
@@ -39,7 +40,7 @@ def resolve_model_config(
             )
         config = _construct(MODEL_TYPES[model_type], fields, "model.init_args.model")
     else:
-        value = resolve_path(model)
+        value = resolve_pretrained(model, "model.init_args.model")
         if Path(value).is_dir():
             hf_dir = Path(value)
             config = get_model_config_from_hf(hf_dir)

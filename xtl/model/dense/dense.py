@@ -11,6 +11,7 @@ from xtl.batch import ModelOutput, SequenceContext
 from xtl.model.base import BaseModel
 from xtl.module.attention import MultiHeadAttention
 from xtl.module.decoder_layer import DecoderLayer
+from xtl.module.kv_cache import NO_KV_CACHE, KVCache
 from xtl.module.mlp import GatedMLP
 from xtl.module.rope import RotaryEmbedding
 from xtl.ops.attention import AttentionMaskSpec
@@ -29,6 +30,10 @@ class Dense(BaseModel):
       with unshifted labels as transformers takes them (used by parity tests and generation).
     - Packed ``model(seq_ctx=..., labels=...)`` on a ``(1, T)`` pack with labels already shifted
       (``labels[t]`` is the target of position ``t``), as the data pipeline produces them.
+
+    Both take a ``kv_cache`` (:class:`xtl.module.kv_cache.KVCache`) for incremental decoding: a packed prefill
+    (one prompt per cache row) or a left-padded ``(B, T)`` prefill, then ``(B, 1)`` steps with explicit
+    ``position_ids`` (see :mod:`xtl.train.generation`).
     """
 
     def __init__(self, config: DenseConfig) -> None:
@@ -80,6 +85,8 @@ class Dense(BaseModel):
         seq_ctx: SequenceContext | None = None,
         return_logits: bool = True,
         return_hidden_states: bool = False,
+        kv_cache: KVCache | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
     ) -> ModelOutput:
         """Run the model; see the class docstring for the two call styles.
 
@@ -87,11 +94,15 @@ class Dense(BaseModel):
             input_ids: ``(B, T)`` token ids (HF-style).
             labels: HF-style: unshifted ``(B, T)``; packed: shifted ``(1, T)``. ``-100`` where no loss.
             inputs_embeds: ``(B, T, C)`` embeddings instead of ``input_ids``.
-            attention_mask: ``(B, T)`` padding mask (1 = token, 0 = padding), HF-style only.
-            position_ids: ``(B, T)`` positions, HF-style only (default ``0..T-1``).
+            attention_mask: ``(B, T)`` padding mask (1 = token, 0 = padding) of this call's tokens, HF-style only
+                (with a ``kv_cache``, the cache keeps the masks of earlier calls).
+            position_ids: ``(B, T)`` positions, HF-style only (default ``0..T-1``; pass them with a cache).
             seq_ctx: A packed batch; excludes the HF-style arguments.
             return_logits: Keep logits in the output.
             return_hidden_states: Keep the final (post-norm) hidden states in the output.
+            kv_cache: Keys and values of earlier calls; this call's are appended (decoding).
+            logits_to_keep: Head (logits, loss) only on the last ``n`` positions (0: all), or on the positions of
+                a 1-D index tensor (e.g. each packed prompt's last token), as transformers' ``logits_to_keep``.
         """
         if seq_ctx is not None:
             if input_ids is not None or inputs_embeds is not None or attention_mask is not None:
@@ -108,9 +119,13 @@ class Dense(BaseModel):
         if position_ids is None:
             position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
         position_embeddings = self.rotary_emb(position_ids, hidden.dtype)
-        hidden, extras = self.run_layers(hidden, position_embeddings, mask, attention_mask, seq_ctx)
+        cache = kv_cache or NO_KV_CACHE
+        mask = cache.begin(mask, hidden.shape[0], hidden.shape[1], hidden.device)
+        hidden, extras = self.run_layers(hidden, position_embeddings, mask, attention_mask, seq_ctx, cache)
         hidden = self.norm(hidden)
-        logits, loss, loss_sum, num_tokens = lm_head_loss(hidden, self.lm_head.weight, targets, return_logits)
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        targets = None if targets is None else targets[:, keep]
+        logits, loss, loss_sum, num_tokens = lm_head_loss(hidden[:, keep], self.lm_head.weight, targets, return_logits)
         return ModelOutput(
             loss=loss,
             loss_sum=loss_sum,
@@ -127,11 +142,13 @@ class Dense(BaseModel):
         mask: AttentionMaskSpec,
         attention_mask: torch.Tensor | None,
         seq_ctx: SequenceContext | None,
+        kv_cache: KVCache = NO_KV_CACHE,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Run the decoder layers; returns the last hidden states and family extras (none for dense models).
 
-        ``attention_mask`` / ``seq_ctx`` are the caller's, for families that need to know which tokens are real.
+        ``attention_mask`` / ``seq_ctx`` are the caller's, for families that need to know which tokens are real;
+        layer ``i`` gets ``kv_cache.layer(i)``.
         """
-        for layer in self.layers:
-            hidden = layer(hidden, position_embeddings, mask)
+        for i, layer in enumerate(self.layers):
+            hidden = layer(hidden, position_embeddings, mask, kv_cache.layer(i))
         return hidden, {}

@@ -10,6 +10,7 @@ import torch
 from xtl.batch import SequenceContext
 from xtl.model.dense.dense import Dense
 from xtl.module.decoder_layer import DecoderLayer
+from xtl.module.kv_cache import NO_KV_CACHE, KVCache
 from xtl.module.mlp import GatedMLP
 from xtl.module.moe_block import MoEBlock, MoEDecoderLayer
 from xtl.module.router import NoAuxTopKRouter
@@ -67,16 +68,17 @@ class MoE(Dense):
         mask: AttentionMaskSpec,
         attention_mask: torch.Tensor | None,
         seq_ctx: SequenceContext | None,
+        kv_cache: KVCache = NO_KV_CACHE,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Run the layers, collecting router statistics of the MoE layers (see the class docstring)."""
         token_mask = _router_token_mask(hidden, attention_mask, seq_ctx)
         stats = []
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             if isinstance(layer, MoEDecoderLayer):
-                hidden, routing = layer(hidden, position_embeddings, mask)
+                hidden, routing = layer(hidden, position_embeddings, mask, kv_cache.layer(i))
                 stats.append(router_statistics(routing.logits, routing.probs, routing.topk_ids, token_mask))
             else:
-                hidden = layer(hidden, position_embeddings, mask)
+                hidden = layer(hidden, position_embeddings, mask, kv_cache.layer(i))
         return hidden, self._extras(stats, hidden, token_mask)
 
     @torch.no_grad()
