@@ -31,6 +31,20 @@ def _tiny(cls_name: str, arch: str, **extra: object) -> Callable[[], PretrainedC
     return build
 
 
+def _tiny_vlm(cls_name: str, arch: str, **text: object) -> Callable[[], PretrainedConfig]:
+    def build() -> PretrainedConfig:
+        import transformers
+
+        rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2], "mrope_interleaved": True}
+        text_config = {**_TINY, "intermediate_size": 96, "head_dim": 16, "rope_parameters": rope, **text}
+        vision_config = {"depth": 2, "hidden_size": 32, "num_heads": 2, "out_hidden_size": 64}
+        return getattr(transformers, cls_name)(
+            text_config=text_config, vision_config=vision_config, architectures=[arch]
+        )
+
+    return build
+
+
 # One tiny config per model type xtl registers (or will register); real checkpoints carry `architectures`.
 TINY_CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
     "llama": _tiny("LlamaConfig", "LlamaForCausalLM", intermediate_size=96, num_key_value_heads=2),
@@ -49,6 +63,11 @@ TINY_CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
     "gpt_oss": _tiny(
         "GptOssConfig", "GptOssForCausalLM", num_key_value_heads=2, head_dim=16, intermediate_size=64,
         num_local_experts=4, num_experts_per_tok=2,
+    ),
+    "qwen3_vl": _tiny_vlm("Qwen3VLConfig", "Qwen3VLForConditionalGeneration"),
+    "qwen3_vl_moe": _tiny_vlm(
+        "Qwen3VLMoeConfig", "Qwen3VLMoeForConditionalGeneration", moe_intermediate_size=32, num_experts=4,
+        num_experts_per_tok=2,
     ),
 }  # fmt: skip
 

@@ -44,8 +44,14 @@ class MicroBatch:
         Returns:
             MicroBatch: A moved copy.
         """
+        seq_ctx = self.seq_ctx.to(device)
+        if seq_ctx.extras:  # images of a vision pack (pixel_values, image_grid_thw)
+            seq_ctx.extras = {
+                k: v.to(device, non_blocking=non_blocking) if isinstance(v, torch.Tensor) else v
+                for k, v in seq_ctx.extras.items()
+            }
         return MicroBatch(
-            self.seq_ctx.to(device),
+            seq_ctx,
             self.labels.to(device, non_blocking=non_blocking),
             self.num_tokens,
             self.num_real_tokens,
@@ -94,6 +100,9 @@ def collate_pack(pack: Pack, pad_token_id: int = 0, pad_to: int | None = None) -
         lengths.append(num_padding)
     input_ids = torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64)).unsqueeze(0)
     ctx = SequenceContext.from_lengths(input_ids, lengths, num_padding=num_padding)
+    extras = getattr(pack, "extras", None)  # a VisionPack's images (xtl.data.multimodal)
+    if extras:
+        ctx.extras = dict(extras)
     return MicroBatch(
         seq_ctx=ctx,
         labels=torch.from_numpy(shifted).unsqueeze(0),

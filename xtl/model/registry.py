@@ -115,6 +115,7 @@ def _register_builtin() -> None:
     }.items():
         register_display_alias(name, cls)
     _register_moe()
+    _register_compose()
 
 
 def _register_moe() -> None:
@@ -130,6 +131,13 @@ def _register_moe() -> None:
         "gpt-oss-120b": moe.GptOss120BConfig,
     }.items():
         register_display_alias(name, cls)
+
+
+def _register_compose() -> None:
+    from xtl.model import compose
+
+    for cls in (compose.Qwen3VLConfig, compose.Qwen3VLMoeConfig):
+        register_model_type(cls)
 
 
 def register_display_alias(name: str, config_cls: type[TransformerConfig]) -> None:
