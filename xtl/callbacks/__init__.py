@@ -3,16 +3,20 @@
 from xtl.callbacks.activation_checkpointing import ActivationCheckpointing
 from xtl.callbacks.activation_offload import ActivationOffload, OffloadStats
 from xtl.callbacks.compile import Compile
+from xtl.callbacks.fp8 import FP8Training
 from xtl.callbacks.generation_eval import GenerationEval
 from xtl.callbacks.hf_export import HFExport
+from xtl.callbacks.progress import StepProgressBar
 from xtl.callbacks.throughput import Throughput
 
 __all__ = [
     "ActivationCheckpointing",
     "ActivationOffload",
     "Compile",
+    "FP8Training",
     "GenerationEval",
     "HFExport",
     "OffloadStats",
+    "StepProgressBar",
     "Throughput",
 ]

@@ -8,7 +8,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from xtl.model.hf import DEFAULT_MAX_SHARD_SIZE, copy_side_files
+from xtl.model.hf import DEFAULT_MAX_SHARD_SIZE, FP8_FORMATS, copy_side_files
 from xtl.utils import resolve_path
 
 
@@ -25,6 +25,12 @@ class HFExport(pl.Callback):
         at_end: Export when training ends.
         max_shard_size: Shard size bound with a unit, e.g. ``"5GB"`` (the default) or ``"4GiB"``.
         dtype: Dtype of the exported tensors (default: the model config's dtype, else the parameters').
+        fp8: ``blockwise`` writes the large linear weights as 128x128 block-quantized fp8 with ``_scale_inv``
+            scales and a ``quantization_config`` (the format of ``xtl convert to-fp8``, DeepSeek-V3 and
+            Qwen3-FP8 releases); ``null`` (default) writes every tensor in ``dtype``.
+
+    Raises:
+        ValueError: ``fp8`` is not ``null`` or ``blockwise``.
     """
 
     def __init__(
@@ -34,12 +40,16 @@ class HFExport(pl.Callback):
         at_end: bool = True,
         max_shard_size: str = DEFAULT_MAX_SHARD_SIZE,
         dtype: str | None = None,
+        fp8: str | None = None,
     ) -> None:
+        if fp8 is not None and fp8 not in FP8_FORMATS:
+            raise ValueError(f"HFExport fp8 must be null or one of {FP8_FORMATS}; got {fp8!r}")
         self.dirpath = dirpath
         self.every_n_steps = every_n_steps
         self.at_end = at_end
         self.max_shard_size = max_shard_size
         self.dtype = dtype
+        self.fp8 = fp8
         self.exported: list[Path] = []
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
@@ -58,7 +68,7 @@ class HFExport(pl.Callback):
         root = Path(self.dirpath) if self.dirpath else Path(trainer.default_root_dir) / "hf"
         target = root / name
         dtype = getattr(torch, self.dtype) if self.dtype else None
-        pl_module.model.save_hf(target, max_shard_size=self.max_shard_size, dtype=dtype)
+        pl_module.model.save_hf(target, max_shard_size=self.max_shard_size, dtype=dtype, fp8=self.fp8)
         tokenizer = getattr(getattr(trainer, "datamodule", None), "tokenizer_path", None)
         if trainer.is_global_zero and tokenizer:
             copy_side_files(resolve_path(tokenizer), target)

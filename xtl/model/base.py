@@ -104,7 +104,11 @@ class BaseModel(nn.Module):
     # ---- saving ---------------------------------------------------------------------------------------------
 
     def save_hf(
-        self, out_dir: str | Path, max_shard_size: str = DEFAULT_MAX_SHARD_SIZE, dtype: torch.dtype | None = None
+        self,
+        out_dir: str | Path,
+        max_shard_size: str = DEFAULT_MAX_SHARD_SIZE,
+        dtype: torch.dtype | None = None,
+        fp8: str | None = None,
     ) -> None:
         """Write an HF model directory: shards, index, ``config.json``, generation config and tokenizer files.
 
@@ -117,8 +121,10 @@ class BaseModel(nn.Module):
             dtype: Cast floating-point tensors to this dtype (default: the config's ``dtype`` -- the source
                 checkpoint's -- if set, else the parameter dtypes). Tensors a module declares in its ``keep_fp32``
                 attribute are always written in fp32.
+            fp8: ``"blockwise"`` writes the large linear weights as 128x128 block-quantized fp8 with
+                ``_scale_inv`` scales and a ``quantization_config`` (the format of ``xtl convert to-fp8``).
         """
-        save_hf_weights(self, out_dir, max_shard_size, dtype, source_dir=self._hf_path)
+        save_hf_weights(self, out_dir, max_shard_size, dtype, source_dir=self._hf_path, fp8=fp8)
 
     def _keep_fp32_names(self) -> set[str]:
         """Checkpoint names that modules declare fp32 whatever the model dtype (``keep_fp32`` attribute names)."""

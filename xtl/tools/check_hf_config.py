@@ -235,6 +235,10 @@ def transformers_reference(src: str | Path) -> dict:
 def xtl_export(src: str | Path, config: Any = None) -> dict:
     """Return the config.json xtl writes for ``src`` through ``get_model_config_from_hf(src).hf_config``.
 
+    For a block-fp8 checkpoint (``quantization_config`` with ``weight_block_size``) the export is the one
+    ``save_hf(fp8="blockwise")`` writes: its ``quantization_config`` is built from the checkpoint's tensor names
+    (:func:`xtl.model.hf.checkpoint_quantization_config`), not copied from the source.
+
     Args:
         src (str | Path): HF model directory.
         config (Any): An already-built xtl model config (built from ``src`` when omitted).
@@ -249,6 +253,11 @@ def xtl_export(src: str | Path, config: Any = None) -> dict:
     hf_config = config.hf_config
     if hf_config is None:
         raise ToolInputError(f"{type(config).__name__}.hf_config is None (remote-code model): nothing to compare")
+    from xtl.model.hf import checkpoint_quantization_config
+
+    quantization = checkpoint_quantization_config(src)
+    if quantization is not None:
+        hf_config.quantization_config = quantization
     with tempfile.TemporaryDirectory() as tmp:
         hf_config.save_pretrained(tmp)
         return json.loads((Path(tmp) / "config.json").read_text())

@@ -11,6 +11,9 @@ from :data:`QUANT_PATTERNS`. The dequantization error is bounded element-wise by
 mantissa bits give a relative rounding error of at most 2**-4 for normal fp8 values, and subnormals (below 2**-6) are
 spaced 2**-9 apart; no value saturates because ``s >= amax / 448``.
 
+Quantization and the ``quantization_config`` block come from :mod:`xtl.model.hf.fp8`, the functions
+``save_hf(fp8="blockwise")`` uses too, so both write the same bytes for the same weights.
+
 Example:
     >>> from xtl.tools.fp8 import convert_to_fp8
     >>> report = convert_to_fp8("bf16_ckpt", "fp8_ckpt")  # doctest: +SKIP
@@ -21,25 +24,29 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import re
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from xtl.model.hf import (
     DEFAULT_MAX_SHARD_SIZE,
     INDEX_NAME,
+    QUANT_PATTERNS,
+    SCALE_SUFFIX,
     CheckpointReader,
     ShardWriter,
+    block_fp8_config,
     copy_non_tensor_files,
+    dequantize_blockwise,
     is_standard_layout,
+    quantizable,
+    quantize_blockwise,
     save_shard,
     write_index,
 )
+from xtl.model.hf.fp8 import BLOCK, FP8_DTYPE, FP8_MAX
 from xtl.tools._cli import (
     EXIT_CODES_HELP,
     EXIT_FAILED,
@@ -50,30 +57,27 @@ from xtl.tools._cli import (
     progress,
     run_cli,
 )
-from xtl.tools.repack import SCALE_SUFFIX, repack_into
+from xtl.tools.repack import repack_into
 from xtl.utils import atomic_directory
 
-BLOCK = 128
-FP8_MAX = 448.0
-FP8_DTYPE = torch.float8_e4m3fn
-_FLOAT_DTYPES = {"BF16", "F16", "F32"}
+__all__ = [
+    "BLOCK",
+    "FP8_DTYPE",
+    "FP8_MAX",
+    "QUANT_PATTERNS",
+    "Fp8Report",
+    "convert_to_fp8",
+    "dequantize_blockwise",
+    "error_bound",
+    "main",
+    "quantization_config",
+    "quantize_blockwise",
+    "reference_quantized_names",
+    "select_tensors",
+    "should_quantize",
+]
 
-_PREFIX = r"^(?:model\.(?:language_model\.)?|(?:model\.)?mtp\.)?layers\.\d+\."
-QUANT_PATTERNS: tuple[re.Pattern[str], ...] = tuple(
-    re.compile(_PREFIX + body)
-    for body in (
-        r"self_attn\.(?:q|k|v|o|q_a|q_b|kv_b)_proj\.weight$",
-        r"self_attn\.kv_a_proj_with_mqa\.weight$",
-        r"mlp\.(?:gate|up|down)_proj\.weight$",
-        r"mlp\.experts\.\d+\.(?:gate|up|down)_proj\.weight$",
-        r"mlp\.experts\.(?:gate_up_proj|down_proj)$",
-        r"mlp\.shared_experts?\.(?:gate|up|down)_proj\.weight$",
-        r"linear_attn\.(?:in_proj_qkv|in_proj_z|out_proj)\.weight$",
-    )
-)
-"""Default rule set: attention, dense-MLP, expert (per-expert or fused 3D), shared-expert and linear-attention
-projections under ``model.``, ``model.language_model.`` or ``mtp.`` layers. Norms, routers (``mlp.gate``),
-embeddings, heads, biases and vision towers never match."""
+_FLOAT_DTYPES = {"BF16", "F16", "F32"}
 
 EXAMPLES = f"""examples:
   xtl convert to-fp8 --source bf16_ckpt --output fp8_ckpt                       # default rule set
@@ -114,7 +118,8 @@ class Fp8Report:
 
 
 def should_quantize(name: str, shape: tuple[int, ...], dtype: str) -> bool:
-    """Default rule: quantize floating 2D/3D tensors whose name matches :data:`QUANT_PATTERNS`.
+    """Default rule: quantize floating 2D/3D tensors whose name matches :data:`QUANT_PATTERNS` (the rule of
+    ``save_hf(fp8="blockwise")``, :func:`xtl.model.hf.quantizable`).
 
     Args:
         name (str): Tensor name.
@@ -124,7 +129,7 @@ def should_quantize(name: str, shape: tuple[int, ...], dtype: str) -> bool:
     Returns:
         bool: True to quantize.
     """
-    return dtype in _FLOAT_DTYPES and len(shape) in (2, 3) and any(p.search(name) for p in QUANT_PATTERNS)
+    return dtype in _FLOAT_DTYPES and quantizable(name, shape)
 
 
 def reference_quantized_names(reference: str | Path) -> set[str]:
@@ -138,41 +143,6 @@ def reference_quantized_names(reference: str | Path) -> set[str]:
     """
     names = CheckpointReader(reference).weight_map
     return {n[: -len(SCALE_SUFFIX)] for n in names if n.endswith(SCALE_SUFFIX)}
-
-
-def quantize_blockwise(weight: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize a 2D weight, or a 3D expert stack expert by expert, to fp8 with per-block power-of-two scales.
-
-    Args:
-        weight (torch.Tensor): ``(d0, d1)`` or ``(experts, d0, d1)`` floating tensor.
-        block (int): Block edge.
-
-    Returns:
-        tuple[torch.Tensor, torch.Tensor]: fp8 weight (same shape) and float32 ``scale_inv`` of shape
-        ``(ceil(d0/block), ceil(d1/block))`` (with a leading expert dim for 3D).
-    """
-    if weight.dim() == 3:
-        pairs = [_quantize_2d(w, block) for w in weight]
-        return torch.stack([q for q, _ in pairs]), torch.stack([s for _, s in pairs])
-    if weight.dim() != 2:
-        raise ValueError(f"expected a 2D or 3D tensor, got shape {tuple(weight.shape)}")
-    return _quantize_2d(weight, block)
-
-
-def dequantize_blockwise(qweight: torch.Tensor, scale_inv: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
-    """Inverse of :func:`quantize_blockwise`: ``fp8.float() * scale_inv`` broadcast over blocks.
-
-    Args:
-        qweight (torch.Tensor): fp8 weight, 2D or 3D.
-        scale_inv (torch.Tensor): Per-block scales.
-        block (int): Block edge.
-
-    Returns:
-        torch.Tensor: float32 weight.
-    """
-    rows, cols = qweight.shape[-2:]
-    scale = scale_inv.repeat_interleave(block, dim=-2).repeat_interleave(block, dim=-1)[..., :rows, :cols]
-    return qweight.float() * scale
 
 
 def error_bound(weight: torch.Tensor, scale_inv: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
@@ -268,15 +238,7 @@ def quantization_config(reader: CheckpointReader, chosen: set[str]) -> dict:
     Returns:
         dict: ``quant_method=fp8``, ``weight_block_size=[128, 128]``, ``scale_fmt=ue8m0``, ...
     """
-    skipped = {n.removesuffix(".weight") for n in reader.weight_map if n not in chosen and len(reader.info(n)[1]) >= 2}
-    return {
-        "quant_method": "fp8",
-        "fmt": "e4m3",
-        "activation_scheme": "dynamic",
-        "weight_block_size": [BLOCK, BLOCK],
-        "scale_fmt": "ue8m0",
-        "modules_to_not_convert": sorted(skipped),
-    }
+    return block_fp8_config(n for n in reader.weight_map if n not in chosen and len(reader.info(n)[1]) >= 2)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -331,17 +293,6 @@ def main(argv: list[str] | None = None) -> int:
     parser = make_parser("xtl convert to-fp8", "Quantize large linear weights to 128x128 block FP8.", EXAMPLES)
     add_arguments(parser)
     return run_cli(parser, argv, run)
-
-
-def _quantize_2d(weight: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    rows, cols = weight.shape
-    rb, cb = math.ceil(rows / block), math.ceil(cols / block)
-    padded = F.pad(weight.float(), (0, cb * block - cols, 0, rb * block - rows))
-    blocks = padded.view(rb, block, cb, block)
-    amax = blocks.abs().amax(dim=(1, 3))
-    scale = torch.where(amax > 0, torch.exp2(torch.ceil(torch.log2(amax / FP8_MAX))), torch.ones_like(amax))
-    q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return q.view(rb * block, cb * block)[:rows, :cols].contiguous(), scale.float()
 
 
 def _quantize_shards(reader: CheckpointReader, chosen: set[str], out_dir: Path, report: Fp8Report) -> None:

@@ -5,6 +5,8 @@
 - :mod:`~xtl.model.hf.writer`: :class:`ShardWriter` (size-bounded standard shards + index), side files.
 - :mod:`~xtl.model.hf.model_io`: :func:`load_hf_weights` / :func:`save_hf_weights`, the loops behind
   ``BaseModel.from_hf`` / ``BaseModel.save_hf``.
+- :mod:`~xtl.model.hf.fp8`: block-quantized fp8 checkpoints (``weight`` + ``weight_scale_inv``): dequantize on
+  load, quantize on save, the ``quantization_config`` block.
 - :mod:`~xtl.model.hf.errors`: the package's exception classes.
 """
 
@@ -19,13 +21,26 @@ from xtl.model.hf.format import (
     shard_name,
     tensor_nbytes,
 )
+from xtl.model.hf.fp8 import (
+    FP8_FORMATS,
+    QUANT_PATTERNS,
+    SCALE_SUFFIX,
+    block_fp8_config,
+    checkpoint_quantization_config,
+    dequantize_blockwise,
+    quantizable,
+    quantize_blockwise,
+)
 from xtl.model.hf.model_io import copy_into, load_hf_weights, save_hf_weights
 from xtl.model.hf.reader import CheckpointReader
 from xtl.model.hf.writer import ShardWriter, copy_non_tensor_files, copy_side_files, save_shard, write_index
 
 __all__ = [
     "DEFAULT_MAX_SHARD_SIZE",
+    "FP8_FORMATS",
     "INDEX_NAME",
+    "QUANT_PATTERNS",
+    "SCALE_SUFFIX",
     "SINGLE_NAME",
     "TOKENIZER_FILES",
     "CheckpointError",
@@ -34,12 +49,17 @@ __all__ = [
     "CheckpointReader",
     "ShardSizeError",
     "ShardWriter",
+    "block_fp8_config",
+    "checkpoint_quantization_config",
     "copy_into",
     "copy_non_tensor_files",
     "copy_side_files",
+    "dequantize_blockwise",
     "is_standard_layout",
     "load_hf_weights",
     "parse_size",
+    "quantizable",
+    "quantize_blockwise",
     "save_hf_weights",
     "save_shard",
     "shard_name",

@@ -18,6 +18,16 @@ from transformers import GenerationConfig
 
 from xtl.model.hf.errors import CheckpointMismatchError
 from xtl.model.hf.format import DEFAULT_MAX_SHARD_SIZE, parse_size
+from xtl.model.hf.fp8 import (
+    FP8_FORMATS,
+    SCALE_SUFFIX,
+    block_fp8_config,
+    block_fp8_weight_block,
+    load_dequantized,
+    quantizable,
+    quantize_blockwise,
+    scale_keys,
+)
 from xtl.model.hf.reader import CheckpointReader
 from xtl.model.hf.writer import ShardWriter, copy_side_files
 from xtl.utils import atomic_directory
@@ -35,6 +45,8 @@ def load_hf_weights(
     combined by ``model.hf_to_param``; a DTensor receives only its local shard. A ``meta`` model is materialized
     on ``device`` (default CPU) first; with ``strict=False`` the tensors whose keys are absent are initialized.
     Checkpoint keys the model does not consume count as unexpected unless ``model._ignorable_hf_key`` says so.
+    A block-fp8 checkpoint (``quantization_config`` with ``weight_block_size``; see :mod:`xtl.model.hf.fp8`) is
+    dequantized: each fp8 weight is read with its ``_scale_inv`` and cast to the parameter's dtype.
 
     Args:
         model: The model (its key map and layout hooks decide what is read).
@@ -50,6 +62,7 @@ def load_hf_weights(
         FileNotFoundError, CheckpointFormatError: ``path`` is not a readable checkpoint directory.
     """
     with CheckpointReader(path) as reader:
+        block = block_fp8_weight_block(path)
         tensors = model.checkpoint_tensors()
         if any(t.is_meta for t in tensors.values()):
             model.materialize(device or "cpu")
@@ -66,7 +79,8 @@ def load_hf_weights(
                 missing_params.append(name)
                 continue
             consumed.update(keys)
-            full = model.hf_to_param(name, [reader.load(k) for k in keys])
+            consumed.update(scale_keys(reader, keys, block))
+            full = model.hf_to_param(name, [load_dequantized(reader, k, block) for k in keys])
             if tuple(full.shape) != tuple(param.shape):
                 mismatched.append(
                     f"{name} (from {', '.join(keys)}): checkpoint {tuple(full.shape)}, model {tuple(param.shape)}"
@@ -87,6 +101,7 @@ def save_hf_weights(
     max_shard_size: str = DEFAULT_MAX_SHARD_SIZE,
     dtype: torch.dtype | None = None,
     source_dir: str | Path | None = None,
+    fp8: str | None = None,
 ) -> None:
     """Write an HF model directory: shards, index, ``config.json``, generation config and tokenizer files.
 
@@ -102,17 +117,24 @@ def save_hf_weights(
             attribute are always written in fp32.
         source_dir: The HF directory the model was loaded from; its generation config and tokenizer files are
             copied.
+        fp8: ``"blockwise"`` writes the tensors :func:`~xtl.model.hf.fp8.quantizable` selects as 128x128
+            block-quantized fp8 with ``_scale_inv`` scales (after the ``dtype`` cast) and a ``quantization_config``;
+            ``None`` writes every tensor in ``dtype``.
 
     Raises:
         ShardSizeError: ``max_shard_size`` cannot be read (raised on every rank, before any collective).
+        ValueError: ``fp8`` is not ``None`` or ``"blockwise"``.
     """
     parse_size(max_shard_size)  # fail on every rank, before any collective
+    if fp8 is not None and fp8 not in FP8_FORMATS:
+        raise ValueError(f"fp8 must be null or one of {FP8_FORMATS}; got {fp8!r}")
     if dtype is None and model.config.dtype is not None:
         dtype = getattr(torch, model.config.dtype)
     is_writer = not dist.is_initialized() or dist.get_rank() == 0
     with atomic_directory(out_dir) if is_writer else nullcontext(None) as tmp:
         writer = ShardWriter(tmp, max_shard_size) if is_writer else None
         keep_fp32 = model._keep_fp32_names()
+        unquantized: list[str] = []
         for name, tensor in model.checkpoint_tensors().items():
             full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach()
             if not is_writer:
@@ -122,10 +144,16 @@ def save_hf_weights(
             elif dtype is not None and full.is_floating_point():
                 full = full.to(dtype)
             for key, part in zip(model.hf_keys(name), model.param_to_hf(name, full)):
+                if fp8 is not None and part.is_floating_point() and quantizable(key, part.shape):
+                    writer.add_group(zip((key, key + SCALE_SUFFIX), quantize_blockwise(part)))
+                    continue
                 writer.add(key, part)
+                if part.dim() >= 2:
+                    unquantized.append(key)
         if is_writer:
             writer.finish()
-            _write_side_files(model, tmp, dtype, source_dir)
+            quantization = block_fp8_config(unquantized) if fp8 is not None else None
+            _write_side_files(model, tmp, dtype, source_dir, quantization)
     if dist.is_initialized():
         dist.barrier()
 
@@ -143,11 +171,17 @@ def copy_into(param: torch.Tensor, full: torch.Tensor) -> None:
 
 
 def _write_side_files(
-    model: BaseModel, out_dir: Path, dtype: torch.dtype | None, source_dir: str | Path | None
+    model: BaseModel,
+    out_dir: Path,
+    dtype: torch.dtype | None,
+    source_dir: str | Path | None,
+    quantization: dict | None = None,
 ) -> None:
     hf_config = model.config.hf_config
     if dtype is not None:
         hf_config.dtype = str(dtype).removeprefix("torch.")
+    if quantization is not None:
+        hf_config.quantization_config = quantization
     hf_config.save_pretrained(out_dir)
     if source_dir is not None and (Path(source_dir) / "generation_config.json").is_file():
         copy_side_files(source_dir, out_dir, ["generation_config.json"])
