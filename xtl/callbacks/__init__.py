@@ -6,6 +6,7 @@ from xtl.callbacks.compile import Compile
 from xtl.callbacks.fp8 import FP8Training
 from xtl.callbacks.generation_eval import GenerationEval
 from xtl.callbacks.hf_export import HFExport
+from xtl.callbacks.parity_check import HFParityCheck
 from xtl.callbacks.progress import StepProgressBar
 from xtl.callbacks.throughput import Throughput
 
@@ -16,6 +17,7 @@ __all__ = [
     "FP8Training",
     "GenerationEval",
     "HFExport",
+    "HFParityCheck",
     "OffloadStats",
     "StepProgressBar",
     "Throughput",
