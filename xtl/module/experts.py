@@ -107,9 +107,9 @@ class ClampedSwiGLUExperts(GroupedExperts):
         w1, b1, w2 = layout.operands(
             local_experts(self.gate_up), local_experts(self.gate_up_bias), local_experts(self.down)
         )
-        gate_up = gemm(hidden_states, w1, counts) + torch.repeat_interleave(b1, counts, dim=0)
+        gate_up = layout.add_bias(gemm(hidden_states, w1, counts), b1, counts)
         out = gemm(self.clamped_swiglu(gate_up, layout.split), w2, counts)
-        return out + torch.repeat_interleave(local_experts(self.down_bias), counts, dim=0)
+        return layout.add_bias(out, local_experts(self.down_bias), counts)
 
     def clamped_swiglu(
         self,

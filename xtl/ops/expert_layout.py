@@ -29,10 +29,13 @@ class GateUpLayout(NamedTuple):
         operands: ``fn(gate_up, gate_up_bias, down) -> (w1, b1, w2)``: ``w1`` ``(E, C, 2I)``, ``b1`` ``(E, 2I)``
             and ``w2`` ``(E, I, C)`` for ``gemm(gemm(x, w1) + b1 -> act, w2)``.
         split: ``fn(gate_up_out) -> (gate, up)`` of the ``(..., 2I)`` projection, each ``(..., I)``.
+        add_bias: ``fn(rows, bias, tokens_per_expert) -> rows + bias[expert of each row]`` for rows grouped by
+            expert (``bias`` ``(E, N)``, ``rows`` ``(M, N)``).
     """
 
     operands: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     split: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+    add_bias: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def get_gate_up_layout() -> GateUpLayout:
@@ -56,6 +59,21 @@ def interleaved_operands(
     """Grouped GEMM operands in transformers' GPT-OSS layout (gate/up interleaved), as contiguous copies."""
     w1 = interleave_gate_up(gate_up, dim=1).transpose(1, 2).contiguous()
     return w1, interleave_gate_up(gate_up_bias, dim=1), down.transpose(1, 2).contiguous()
+
+
+def add_bias_repeated(rows: torch.Tensor, bias: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+    """``rows + bias`` with the bias repeated per row in one op (one segment reduction in backward)."""
+    return rows + torch.repeat_interleave(bias, tokens_per_expert, dim=0)
+
+
+def add_bias_per_expert(rows: torch.Tensor, bias: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+    """``rows + bias`` expert by expert, a broadcast add per expert with rows, as transformers' eager expert loop
+    does (so the bias gradient is the same per-expert column sum, bitwise; one host sync for the counts)."""
+    counts = tokens_per_expert.tolist()
+    parts = [chunk + bias[e] for e, chunk in enumerate(rows.split(counts)) if counts[e]]
+    if not parts:
+        return rows + bias[:0].sum(0)  # no rows: keep the graph connected to the bias
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
 def split_concat(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,5 +101,5 @@ def deinterleave_gate_up(tensor: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.cat((tensor[tuple(gate_index)], tensor[tuple(up_index)]), dim=dim)
 
 
-GATE_UP_CONCAT = GateUpLayout(concat_operands, split_concat)
-GATE_UP_INTERLEAVED = GateUpLayout(interleaved_operands, split_interleaved)
+GATE_UP_CONCAT = GateUpLayout(concat_operands, split_concat, add_bias_repeated)
+GATE_UP_INTERLEAVED = GateUpLayout(interleaved_operands, split_interleaved, add_bias_per_expert)
