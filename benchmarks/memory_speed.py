@@ -36,8 +36,6 @@ from typing import Any
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS: dict[str, list[tuple[str, dict[str, Any]]]] = {
@@ -159,22 +157,6 @@ def _step(model: Any, batch: tuple[Any, torch.Tensor]) -> None:
     model.zero_grad(set_to_none=True)
 
 
-class _Created(TorchDispatchMode):
-    """Weak references to the storages of every tensor an op creates while active."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.storages: dict[int, tuple[StorageWeakRef, int]] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.device.type != "meta":
-                storage = t.untyped_storage()
-                self.storages.setdefault(storage._cdata, (StorageWeakRef(storage), storage.nbytes()))
-        return out
-
-
 def _measure(args: argparse.Namespace) -> dict[str, Any]:
     """Memory of the configuration first (RSS of this process), then its step time against the baseline's."""
     model, callbacks = _build(args, args.model, args.config)
@@ -196,7 +178,9 @@ def _memory(args: argparse.Namespace, model: Any, callbacks: list[Any]) -> dict[
         hooked.setdefault(storage._cdata, (StorageWeakRef(storage), storage.nbytes()))
         return t
 
-    created = _Created()
+    from xtl.tools._memory_measure import CreatedStorages
+
+    created = CreatedStorages()
     compiled = any(type(c).__name__ == "Compile" for c in callbacks)  # a dispatch mode would bypass compiled code
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         if compiled:

@@ -340,7 +340,7 @@ def _install_fused_ops(model: torch.nn.Module) -> None:
             module.forward = lambda x, m=module: m.down_proj(_SwiGLUFn.apply(m.gate_proj(x), m.up_proj(x)))
 
 
-class _CreatedStorages(TorchDispatchMode):
+class CreatedStorages(TorchDispatchMode):
     """Weak references to the storages of every tensor an op creates while active."""
 
     def __init__(self) -> None:
@@ -393,7 +393,7 @@ def _kept_by_layers(
     generator = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, fields["vocab_size"], (1, seq_len), generator=generator)
     params = {p.untyped_storage()._cdata for p in model.parameters()}
-    created = _CreatedStorages()
+    created = CreatedStorages()
     with created:
         loss = model(input_ids=ids, labels=ids, return_logits=False).loss
     host = sum(c.stats.held_bytes for c in callbacks if hasattr(c, "stats"))
