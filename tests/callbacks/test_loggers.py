@@ -29,3 +29,21 @@ class TestTensorBoardFragment:
         accumulator.Reload()
         assert [event.step for event in accumulator.Scalars("train/loss")] == [0, 1, 2]
         assert next(tmp_path.glob("logs/version_0/metrics.csv")).is_file(), "the CSV logger is still there"
+
+
+class TestFragmentsParse:
+    @pytest.mark.parametrize("fragment", ["wandb.yaml", "throughput.yaml", "tensorboard.yaml"])
+    def test_appends_to_the_recipe(self, fragment, capsys):
+        args = ["fit", "--config", str(ROOT / "configs/tiny_sft.yaml"), "--config", str(ROOT / "callbacks" / fragment),
+                "--print_config"]  # fmt: skip
+        with pytest.raises(SystemExit) as exit_:  # --print_config exits after printing
+            main(args)
+        assert exit_.value.code in (0, None)
+        out = capsys.readouterr().out
+        assert "CSVLogger" in out and "ModelCheckpoint" in out, "a fragment appends, it does not replace"
+        expected = {
+            "wandb.yaml": "WandbLogger",
+            "throughput.yaml": "Throughput",
+            "tensorboard.yaml": "TensorBoardLogger",
+        }
+        assert expected[fragment] in out

@@ -42,9 +42,10 @@ class HFParityCheck(pl.Callback):
     Args:
         every_n_steps: Also check at the start of every N-th optimizer step (0: only at the start of the fit).
         at_start: Check at the first training batch of the fit.
-        mode: ``hf_impl``: the xtl model runs with transformers' exact ops (``XTL_HF_IMPL=1`` semantics, switched
-            on for the check only) and the reference's call shapes; bitwise equality is expected. ``fast``: the
-            run's own ops on the packed micro-batch, compared with the bounds of the compute dtype.
+        mode: ``hf_impl``: the xtl model runs with transformers' exact ops (the HF-parity selectors of
+            ``xtl.ops.hf_impl``, switched on for the check only) and the reference's call shapes; bitwise equality
+            is expected. ``fast``: the run's own ops on the packed micro-batch, compared with the bounds of the
+            compute dtype.
         tolerance: ``auto`` (``bitwise`` for ``hf_impl``; ``bf16`` or ``fp32`` by compute dtype for ``fast``) or
             a preset: ``bitwise``, ``fp32``, ``bf16``, ``fp8`` (fp8 training against the bf16 reference).
         tolerances: Bounds replacing the preset's: ``hidden``, ``logits``, ``loss``, ``grad``.

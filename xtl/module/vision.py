@@ -28,7 +28,7 @@ class VisionPatchEmbed(nn.Module):
     """Flattened ``(N, C * tp * p * p)`` patches -> ``(N, hidden)``: a 3-D convolution with stride = kernel.
 
     The weight keeps transformers' ``Conv3d`` shape; the op is :func:`xtl.ops.vision.get_patch_embed_fn`'s (the
-    convolution under ``XTL_HF_IMPL=1``, else the same map as one linear).
+    convolution under the HF-parity selectors, else the same map as one linear).
     """
 
     def __init__(self, in_channels: int, hidden_size: int, patch_size: int, temporal_patch_size: int) -> None:

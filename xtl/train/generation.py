@@ -3,8 +3,9 @@
 :func:`generate` prefills a batch of prompts into a :class:`~xtl.module.kv_cache.KVCache` (packed: the prompts
 laid end to end, no padding; or padded: left-padded like transformers), then decodes one token per sequence and
 step, attending over the cache. It works for every model family (dense, MoE, multi-head latent attention, sink
-attention). With ``XTL_HF_IMPL=1`` and the padded prefill, greedy decoding is bitwise equal to transformers'
-``generate(do_sample=False)`` (logits included). The prompt helpers render chat prompts and find stop tokens.
+attention). With the HF-parity selectors (``xtl.ops.hf_impl``) and the padded prefill, greedy decoding is bitwise
+equal to transformers' ``generate(do_sample=False)`` (logits included). The prompt helpers render chat prompts
+and find stop tokens.
 
 Example::
 
