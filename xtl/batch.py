@@ -6,6 +6,7 @@ model code.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
@@ -28,6 +29,8 @@ class SequenceContext:
         position_ids: Per-document positions, shape ``(1, T)``.
         inputs_embeds: Optional precomputed embeddings, shape ``(1, T, hidden)``.
         num_padding: Tokens at the end of the pack that are padding (a masked pseudo-document).
+        doc_bounds: ``cu_seq_lens`` as Python ints, computed on the host when the batch is built, so attention
+            never reads the device tensor back (on GPU each read is a device-to-host sync).
     """
 
     input_ids: torch.Tensor | None
@@ -37,6 +40,11 @@ class SequenceContext:
     inputs_embeds: torch.Tensor | None = None
     num_padding: int = 0
     extras: dict = field(default_factory=dict)
+    doc_bounds: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.doc_bounds is None and self.cu_seq_lens is not None and self.cu_seq_lens.device.type == "cpu":
+            self.doc_bounds = tuple(self.cu_seq_lens.tolist())
 
     @classmethod
     def from_lengths(
@@ -62,16 +70,19 @@ class SequenceContext:
         total = input_ids.shape[1]
         if sum(lengths) != total:
             raise ValueError(f"document lengths sum to {sum(lengths)} but the pack has {total} tokens")
+        bounds = (0, *itertools.accumulate(lengths))
+        cu = torch.tensor(bounds, dtype=torch.int32)
+        # positions restart at every document: global index minus the start of the token's document
+        starts = torch.repeat_interleave(cu[:-1].long(), torch.tensor(lengths), output_size=total)
+        position_ids = (torch.arange(total) - starts).unsqueeze(0)
         device = input_ids.device
-        cu = torch.zeros(len(lengths) + 1, dtype=torch.int32, device=device)
-        cu[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int32, device=device), dim=0)
-        position_ids = torch.cat([torch.arange(n, device=device) for n in lengths]).unsqueeze(0)
         return cls(
             input_ids=input_ids,
-            cu_seq_lens=cu,
+            cu_seq_lens=cu.to(device),
             max_seq_len=max(lengths),
-            position_ids=position_ids,
+            position_ids=position_ids.to(device),
             num_padding=num_padding,
+            doc_bounds=bounds,
         )
 
     @classmethod
@@ -94,6 +105,8 @@ class SequenceContext:
     @property
     def lengths(self) -> list[int]:
         """Per-document lengths."""
+        if self.doc_bounds is not None:
+            return [e - s for s, e in zip(self.doc_bounds[:-1], self.doc_bounds[1:])]
         return (self.cu_seq_lens[1:] - self.cu_seq_lens[:-1]).tolist()
 
     def to(self, device: torch.device | str) -> SequenceContext:
