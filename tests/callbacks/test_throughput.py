@@ -5,13 +5,14 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+import torch
 
-from xtl.callbacks import throughput
 from xtl.callbacks.throughput import Throughput
 from xtl.model import get_model_config
 from xtl.model.dense import LlamaDenseConfig, Qwen3DenseConfig
 from xtl.model.moe import DeepSeekV3Config, Qwen3MoEConfig
 from xtl.tools.memory import estimate_memory
+from xtl.train import step as step_module
 
 # Tiny Llama: h 16, 4 heads of 4 dims, 2 key/value heads, MLP 32, 2 layers, vocab 100.
 TINY = dict(
@@ -64,23 +65,27 @@ class TestFlopsPerToken:
 
 
 class TestLogging:
-    def test_logs_tflops_and_mfu_of_the_step(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        clock = iter([100.0, 102.0])
-        monkeypatch.setattr(throughput, "time", SimpleNamespace(perf_counter=lambda: next(clock)))
+    def test_logs_tflops_and_mfu_over_the_window_of_logged_steps(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        clock = iter([0.0, 100.0, 104.0])  # construction, train start, the logged step
+        monkeypatch.setattr(step_module, "time", SimpleNamespace(perf_counter=lambda: next(clock)))
         logged = []
         logger = SimpleNamespace(log_metrics=lambda metrics, step: logged.append((metrics, step)))
-        trainer = SimpleNamespace(loggers=[logger], global_step=7)
+        connector = SimpleNamespace(should_update_logs=False)
+        trainer = SimpleNamespace(loggers=[logger], global_step=7, _logger_connector=connector)
         config = LlamaDenseConfig(**TINY)
-        module = SimpleNamespace(model_config=config)
+        module = SimpleNamespace(model_config=config, device=torch.device("cpu"))
         batch = [
             SimpleNamespace(num_real_tokens=30, seq_ctx=SimpleNamespace(seq_len=10)),
             SimpleNamespace(num_real_tokens=8, seq_ctx=SimpleNamespace(seq_len=8)),
         ]
         callback = Throughput(peak_tflops=1e-6)
-        callback.on_train_batch_start(trainer, module, batch, 0)
+        callback.on_train_start(trainer, module)  # clock 100
         callback.on_train_batch_end(trainer, module, None, batch, 0)
+        assert logged == [], "a step the loggers do not write logs nothing (and waits for nothing)"
+        connector.should_update_logs = True
+        callback.on_train_batch_end(trainer, module, None, batch, 1)  # clock 104: two steps in 4 s
         ((metrics, step),) = logged
-        tflops = 38 * (6 * 6288 + 1920) / 2.0 / 1e12  # longest sequence of the step: 10 tokens
+        tflops = 2 * 38 * (6 * 6288 + 1920) / 4.0 / 1e12  # longest sequence of each step: 10 tokens
         assert step == 7
         assert metrics["train/tflops_per_device"] == pytest.approx(tflops)
         assert metrics["train/mfu"] == pytest.approx(tflops / 1e-6)

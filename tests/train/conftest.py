@@ -50,8 +50,8 @@ def make_trainer(tmp_path: Path):
     """Factory of single-process CPU trainers writing under ``tmp_path``."""
 
     def make(max_steps: int, callbacks: list | None = None, **kwargs) -> pl.Trainer:
+        kwargs.setdefault("accelerator", "cpu")
         return pl.Trainer(
-            accelerator="cpu",
             devices=1,
             max_steps=max_steps,
             logger=False,

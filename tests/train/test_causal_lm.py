@@ -10,6 +10,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.overrides import TorchFunctionMode
 from transformers import AutoModelForCausalLM
 
 from xtl.callbacks import HFExport
@@ -57,29 +58,89 @@ class NaNAtStep(CausalLM):
 
 
 class TestNaNSkip:
-    def test_nan_loss_skips_the_step_and_training_continues(self, make_datamodule, make_trainer):
+    def test_nan_loss_skips_the_update_and_training_continues(self, make_datamodule, make_trainer):
         snapshots = {}
 
         class Snapshot(pl.Callback):
             def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
                 snapshots[batch_idx] = copy.deepcopy(pl_module.model.state_dict())
+                snapshots[f"adam_{batch_idx}"] = copy.deepcopy(pl_module.optimizers().optimizer.state_dict()["state"])
 
         module = NaNAtStep(model=TINY_MODEL, optimizer=AdamWConfig(lr=1e-2))
-        trainer = make_trainer(5, callbacks=[Snapshot()])
+        trainer = make_trainer(5, callbacks=[Snapshot()], log_every_n_steps=1)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             trainer.fit(module, datamodule=make_datamodule())
         assert module.skipped_steps == 1
-        assert any("skipping the optimizer step" in str(w.message) for w in caught)
-        # batch 2 (the NaN step) left the weights untouched, batch 3 changed them again, and all stay finite
+        assert any("1 optimizer step(s) skipped" in str(w.message) for w in caught)
+        # batch 2 (the NaN step) left the weights and AdamW's moments and step count untouched, batch 3 changed
+        # them again, and all stay finite
         before_nan, after_nan = snapshots[2], snapshots[3]
         assert all(torch.equal(before_nan[k], after_nan[k]) for k in before_nan)
+        adam_before, adam_after = snapshots["adam_2"], snapshots["adam_3"]
+        assert all(torch.equal(adam_before[i][k], adam_after[i][k]) for i in adam_before for k in adam_before[i])
+        assert all(int(state["step"]) == 2 for state in adam_after.values())
         final = module.model.state_dict()
         assert all(torch.isfinite(v).all() for v in final.values())
         assert any(not torch.equal(final[k], v) for k, v in after_nan.items())
-        # Lightning counts optimizer steps: the skipped batch does not advance global_step
+        # a skipped update still counts as a step (as with GradScaler): 5 batches, 5 steps
         assert trainer.global_step == 5
         assert trainer.callback_metrics["train/skipped_steps"].item() == 1.0
+
+
+class _HostReads(TorchFunctionMode):
+    """Records tensor methods that read a value back on the host (a device sync on a GPU)."""
+
+    READS = {"item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in self.READS:
+            self.reads.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+class TestNoHostSync:
+    def test_training_step_reads_nothing_back_on_steps_that_are_not_logged(self, make_datamodule, make_trainer):
+        reads: dict[int, list[str]] = {}
+
+        class Recorded(CausalLM):
+            def training_step(self, batch, batch_idx):
+                with _HostReads() as mode:
+                    loss = super().training_step(batch, batch_idx)
+                reads[batch_idx] = mode.reads
+                return loss
+
+        module = Recorded(model=TINY_MODEL, optimizer=AdamWConfig(lr=1e-2))
+        make_trainer(4, log_every_n_steps=2).fit(module, datamodule=make_datamodule())
+        assert reads[0] == [] and reads[2] == [], f"host reads on unlogged steps: {reads}"
+        assert reads[1] and reads[3], "logged steps read the loss and the skip counter (proves the mode records)"
+        assert module.tokens_seen > 0 and module.skipped_steps == 0
+
+    @pytest.mark.gpu
+    @pytest.mark.skipif(not torch.cuda.is_available(), reason="device syncs are a CUDA notion")
+    def test_no_cuda_sync_on_steps_that_are_not_logged(self, make_datamodule, make_trainer):
+        errors: dict[int, str] = {}
+
+        class Strict(CausalLM):
+            def training_step(self, batch, batch_idx):
+                logged = self.trainer._logger_connector.should_update_logs
+                torch.cuda.set_sync_debug_mode(0 if logged or batch_idx == 0 else "error")
+                try:
+                    return super().training_step(batch, batch_idx)
+                except RuntimeError as exc:
+                    errors[batch_idx] = str(exc)
+                    raise
+                finally:
+                    torch.cuda.set_sync_debug_mode(0)
+
+        module = Strict(model=TINY_MODEL, optimizer=AdamWConfig(lr=1e-2))
+        make_trainer(4, accelerator="gpu", log_every_n_steps=4).fit(module, datamodule=make_datamodule())
+        assert not errors
 
 
 class TestHFExport:

@@ -36,11 +36,15 @@ class StepProgressBar(TQDMProgressBar):
         """Keep the run's bar (no per-epoch reset)."""
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *_: Any) -> None:
-        """Advance to the current optimizer step and show loss and tokens/s."""
+        """Advance to the current optimizer step; show loss and tokens/s on the steps the loggers write.
+
+        Reading a metric waits for the device, so on the other steps only the step count moves.
+        """
         bar = self.train_progress_bar
         if bar is not None and trainer.global_step % self.refresh_rate == 0:
             bar.n = trainer.global_step
-            bar.set_postfix(self.get_metrics(trainer, pl_module), refresh=False)
+            if trainer._logger_connector.should_update_logs:
+                bar.set_postfix(self.get_metrics(trainer, pl_module), refresh=False)
             bar.refresh()
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

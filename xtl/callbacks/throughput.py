@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import lightning.pytorch as pl
 
 from xtl.model.dims import ModelDims
+from xtl.train.step import StepWindow
 
 
 class Throughput(pl.Callback):
-    """Log ``train/tflops_per_device`` and ``train/mfu`` from the step's real tokens and the model's FLOPs/token.
+    """Log ``train/tflops_per_device`` and ``train/mfu`` from the real tokens and the model's FLOPs/token.
+
+    Rates are taken on the steps the loggers write, over the window since the previous one (the device is waited
+    for once per window, not once per step).
 
     FLOPs per token are :meth:`xtl.model.dims.ModelDims.flops_per_token` of the module's ``model_config`` at the
     step's longest sequence: 6 x activated non-embedding parameters (top-k routed experts only for MoE) plus the
@@ -23,21 +26,26 @@ class Throughput(pl.Callback):
 
     def __init__(self, peak_tflops: float | None = None) -> None:
         self.peak_tflops = peak_tflops
-        self._start = 0.0
+        self._window = StepWindow()
+        self._flops = 0.0
         self._dims: tuple[Any, ModelDims] | None = None
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        """Start the step clock."""
-        self._start = time.perf_counter()
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Start the first window."""
+        self._window, self._flops = StepWindow(), 0.0
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        """Log achieved TFLOP/s per device (and MFU)."""
-        seconds = max(time.perf_counter() - self._start, 1e-9)
+        """Count the step's FLOPs; on logged steps, log achieved TFLOP/s per device (and MFU) over the window."""
         tokens = sum(mb.num_real_tokens for mb in batch)
         seq = max((mb.seq_ctx.seq_len for mb in batch), default=0)
-        tflops = tokens * self.flops_per_token(pl_module.model_config, seq) / seconds / 1e12
+        self._flops += tokens * self.flops_per_token(pl_module.model_config, seq)
+        self._window.add(tokens)
+        if not trainer._logger_connector.should_update_logs:
+            return
+        _, seconds, _ = self._window.close(pl_module.device)
+        tflops, self._flops = self._flops / seconds / 1e12, 0.0
         metrics = {"train/tflops_per_device": tflops}
         if self.peak_tflops:
             metrics["train/mfu"] = tflops / self.peak_tflops

@@ -178,7 +178,7 @@ class NoAuxTopKRouter(Router):
         return RouterOutput(logits=logits, probs=probs, topk_ids=ids, topk_weights=weights)
 
     @torch.no_grad()
-    def update_bias(self, tokens_per_expert: torch.Tensor, lr: float) -> None:
+    def update_bias(self, tokens_per_expert: torch.Tensor, lr: float | torch.Tensor) -> None:
         """Aux-loss-free balancing step: ``bias += lr * sign(mean_load - load)``.
 
         Overloaded experts become less likely to be chosen, underloaded ones more. Call after the optimizer step

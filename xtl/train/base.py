@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import time
 import warnings
 from pathlib import Path
 from typing import Any, Literal
@@ -20,7 +19,13 @@ from xtl.strategies.parallelize import ModelTransform, ParallelizingStrategy, Si
 from xtl.train.generation import GenerationConfig, chat_prompt_ids, generate, split_thinking
 from xtl.train.model_spec import resolve_model_config
 from xtl.train.optim import AdamWConfig, OptimizerConfig, ScheduleConfig
-from xtl.train.step import StepResult, forward_backward, grad_norm_and_clip
+from xtl.train.step import (
+    StepResult,
+    StepWindow,
+    forward_backward,
+    grad_norm_and_clip,
+    optimizer_step_unless_nonfinite,
+)
 from xtl.utils import atomic_write_bytes
 
 
@@ -70,8 +75,10 @@ class LanguageModule(pl.LightningModule):
         self.optimizer_config = optimizer
         self.schedule = schedule
         self.model: BaseModel | None = None
-        self.skipped_steps = 0
-        self.tokens_seen = 0
+        self._skipped = torch.zeros(())
+        self._tokens_seen = torch.zeros((), dtype=torch.float64)
+        self._skipped_warned = 0
+        self._window = StepWindow()
         self.generation = generation or GenerationConfig()
         self._val_metrics = nn.ModuleDict()
         self._test_metrics = nn.ModuleDict()
@@ -115,6 +122,24 @@ class LanguageModule(pl.LightningModule):
         """Call the underlying xtl model."""
         return self.model(*args, **kwargs)
 
+    @property
+    def skipped_steps(self) -> int:
+        """Steps whose update was skipped for a non-finite gradient norm (reads a device counter)."""
+        return int(self._skipped.item())
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        self._skipped = torch.tensor(float(value), device=self._skipped.device)
+
+    @property
+    def tokens_seen(self) -> int:
+        """Non-padding training tokens over all data-parallel ranks so far (reads a device counter)."""
+        return int(self._tokens_seen.item())
+
+    @tokens_seen.setter
+    def tokens_seen(self, value: int) -> None:
+        self._tokens_seen = torch.tensor(float(value), dtype=torch.float64, device=self._tokens_seen.device)
+
     # ---- optimization ----------------------------------------------------------------------------------------
 
     def configure_optimizers(self) -> dict[str, Any]:
@@ -124,10 +149,14 @@ class LanguageModule(pl.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def training_step(self, batch: list[Any], batch_idx: int) -> torch.Tensor:
-        """One optimizer step over this rank's micro-batches."""
+        """One optimizer step over this rank's micro-batches, without reading device values back on the host.
+
+        A non-finite gradient norm skips the update on the device (found-inf flag, as ``GradScaler`` does); the step
+        still counts (``global_step``, the schedule). Skips are counted on the device and warned about on the next
+        logged step.
+        """
         optimizer = self.optimizers()
         scheduler = self.lr_schedulers()
-        start = time.perf_counter()
         result = forward_backward(
             forward=lambda mb: self.model(seq_ctx=mb.seq_ctx, labels=mb.labels, return_logits=False),
             micro_batches=batch,
@@ -139,27 +168,34 @@ class LanguageModule(pl.LightningModule):
             gradient_sync=self._gradient_sync,
         )
         grad_norm = grad_norm_and_clip(list(self.model.parameters()), self.hparams.max_grad_norm)
-        if torch.isfinite(grad_norm):
-            optimizer.step()
-            scheduler.step()
-            self.after_optimizer_step(result)
-        else:
-            self.skipped_steps += 1
-            warnings.warn(
-                f"step {self.global_step}: gradient norm is {grad_norm.item()}, skipping the optimizer step "
-                f"({self.skipped_steps} skipped so far)",
-                stacklevel=1,
-            )
+        found_inf = optimizer_step_unless_nonfinite(optimizer, grad_norm)
+        scheduler.step()
+        self.after_optimizer_step(result, 1.0 - found_inf)
         optimizer.zero_grad(set_to_none=True)
-        self._log_step(batch, result, grad_norm, time.perf_counter() - start)
+        self._skipped = self._skipped.to(found_inf.device) + found_inf
+        self._log_step(batch, result, grad_norm)
         return result.loss_sum / result.global_tokens.clamp(min=1)
+
+    def on_train_start(self) -> None:
+        """Start the throughput window (setup and loading before the first step are not counted)."""
+        self._window = StepWindow()
+
+    def on_train_end(self) -> None:
+        """Warn about skipped steps not yet reported on a logged step."""
+        self._warn_nonfinite()
 
     def extra_loss(self, output: ModelOutput, global_tokens: torch.Tensor) -> torch.Tensor | None:
         """Family-specific objective added to a micro-batch's loss (none for dense models)."""
         return None
 
-    def after_optimizer_step(self, result: StepResult) -> None:
-        """Hook after a successful optimizer step (e.g. MoE router bias updates)."""
+    def after_optimizer_step(self, result: StepResult, applied: torch.Tensor) -> None:
+        """Hook after the optimizer step (e.g. MoE router bias updates).
+
+        Args:
+            result: The step's forward/backward result.
+            applied: 1.0 when the update was applied, 0.0 when it was skipped (a device tensor: scale an update by
+                it instead of branching on it, which would read it back on the host).
+        """
 
     # ---- validation, test, predict ---------------------------------------------------------------------------
 
@@ -235,6 +271,7 @@ class LanguageModule(pl.LightningModule):
         state = checkpoint.get("xtl", {})
         self.skipped_steps = int(state.get("skipped_steps", 0))
         self.tokens_seen = int(state.get("tokens_seen", 0))
+        self._skipped_warned = self.skipped_steps
 
     # ---- private ---------------------------------------------------------------------------------------------
 
@@ -262,30 +299,48 @@ class LanguageModule(pl.LightningModule):
         except (RuntimeError, ValueError, TypeError):
             return 1
 
-    def _log_step(self, batch: list[Any], result: StepResult, grad_norm: torch.Tensor, seconds: float) -> None:
-        stats = torch.tensor(
-            [float(result.loss_sum), sum(mb.num_real_tokens for mb in batch), sum(mb.seq_ctx.seq_len for mb in batch)],
-            device=self.device,
-            dtype=torch.float64,
-        )
+    def _log_step(self, batch: list[Any], result: StepResult, grad_norm: torch.Tensor) -> None:
+        """Log the step from device tensors; values are read on the host only on steps the loggers write.
+
+        ``train/tokens_per_sec`` is this rank's non-padding tokens over the wall time since the previous logged
+        step, over all data-parallel ranks (logged on logged steps only).
+        """
+        real = sum(mb.num_real_tokens for mb in batch)
+        host = torch.tensor([real, sum(mb.seq_ctx.seq_len for mb in batch)], dtype=torch.float64)
+        stats = torch.cat([result.loss_sum.detach().double().reshape(1), host.to(self.device, non_blocking=True)])
         stats = self.trainer.strategy.reduce(stats, reduce_op="sum")
         loss = stats[0] / result.global_tokens.double().clamp(min=1)
-        real_tokens = int(stats[1])
-        self.tokens_seen += real_tokens
+        self._tokens_seen = self._tokens_seen.to(stats.device) + stats[1]
+        self._window.add(stats[1])
         values = {
             "train/loss": loss.float(),
             "train/grad_norm": grad_norm.float(),
             "train/lr": torch.tensor(self.lr_schedulers().get_last_lr()[0]),
-            "train/tokens_per_sec": torch.tensor(real_tokens / max(seconds, 1e-9)),
-            "train/tokens_seen": torch.tensor(float(self.tokens_seen)),
+            "train/tokens_seen": self._tokens_seen.float(),
             "train/fill_ratio": (stats[1] / stats[2].clamp(min=1)).float(),
-            "train/skipped_steps": torch.tensor(float(self.skipped_steps)),
+            "train/skipped_steps": self._skipped.float(),
         }
         self.log_dict(values, on_step=True, on_epoch=False, sync_dist=False, batch_size=1)
         self.log("loss", values["train/loss"], prog_bar=True, logger=False, batch_size=1)
-        self.log("tok/s", values["train/tokens_per_sec"], prog_bar=True, logger=False, batch_size=1)
-        if not math.isfinite(float(loss)):
-            warnings.warn(f"step {self.global_step}: train/loss is {float(loss)}", stacklevel=1)
+        if self._trainer is not None and self.trainer._logger_connector.should_update_logs:
+            tokens, seconds, _ = self._window.close(self.device)
+            rate = tokens / seconds
+            self.log("train/tokens_per_sec", rate, on_step=True, on_epoch=False, batch_size=1)
+            self.log("tok/s", rate, prog_bar=True, logger=False, batch_size=1)
+            self._warn_nonfinite(loss)
+
+    def _warn_nonfinite(self, loss: torch.Tensor | None = None) -> None:
+        """On a logged step (values are read then anyway): warn about new skipped steps and a non-finite loss."""
+        skipped = self.skipped_steps
+        if skipped > self._skipped_warned:
+            warnings.warn(
+                f"step {self.global_step}: {skipped - self._skipped_warned} optimizer step(s) skipped since the last "
+                f"logged step (non-finite gradient norm; {skipped} skipped so far)",
+                stacklevel=2,
+            )
+            self._skipped_warned = skipped
+        if loss is not None and not math.isfinite(float(loss)):
+            warnings.warn(f"step {self.global_step}: train/loss is {float(loss)}", stacklevel=2)
 
     def _eval_step(self, sets: nn.ModuleDict, batch: list[Any], dataloader_idx: int) -> None:
         metrics = self._metrics_for(sets, dataloader_idx)

@@ -45,12 +45,12 @@ class MoECausalLM(LanguageModule):
         if balance_loss_coef is None:
             balance_loss_coef = float(getattr(self.model_config, "router_aux_loss_coef", 0.0) or 0.0)
         self.balance_loss_coef = balance_loss_coef
-        self._router_log: dict[str, float] = {}
+        self._router_log: dict[str, torch.Tensor] = {}
 
     def training_step(self, batch: list[Any], batch_idx: int) -> torch.Tensor:
         """As :meth:`LanguageModule.training_step`, with router losses averaged over ``len(batch)``."""
         self._num_micro_batches = max(1, len(batch))
-        self._router_log = {"balance_loss": 0.0, "z_loss": 0.0}
+        self._router_log = {k: torch.zeros((), device=self.device) for k in ("balance_loss", "z_loss")}
         loss = super().training_step(batch, batch_idx)
         self.log_dict({f"train/{k}": v for k, v in self._router_log.items()}, on_step=True, batch_size=1)
         return loss
@@ -68,12 +68,12 @@ class MoECausalLM(LanguageModule):
         scale = self._dp_world_size() / self._num_micro_batches
         bal = balance_loss(extras["router_prob_sum"], tokens_per_expert, num_tokens)
         z = z_loss(extras["router_z_sum"], num_tokens)
-        self._router_log["balance_loss"] += float(bal) / self._num_micro_batches
-        self._router_log["z_loss"] += float(z) / self._num_micro_batches
+        self._router_log["balance_loss"] += bal.detach().float() / self._num_micro_batches
+        self._router_log["z_loss"] += z.detach().float() / self._num_micro_batches
         return scale * (self.balance_loss_coef * bal + self.hparams.z_loss_coef * z)
 
-    def after_optimizer_step(self, result: StepResult) -> None:
-        """Aux-free router bias update and the max-violation metric from the step's expert loads."""
+    def after_optimizer_step(self, result: StepResult, applied: torch.Tensor) -> None:
+        """Aux-free router bias update (none on a skipped step) and the max-violation metric from the expert loads."""
         loads = [out["tokens_per_expert"] for out in result.outputs if "tokens_per_expert" in out]
         if not loads:
             return
@@ -83,4 +83,4 @@ class MoECausalLM(LanguageModule):
         mean = total.mean(dim=-1, keepdim=True).clamp(min=1e-9)
         self.log("train/maxvio", ((total.max(dim=-1, keepdim=True).values - mean) / mean).mean(), batch_size=1)
         if self.hparams.router_bias_update_lr > 0:
-            self.model.update_router_bias(total, self.hparams.router_bias_update_lr)
+            self.model.update_router_bias(total, self.hparams.router_bias_update_lr * applied)

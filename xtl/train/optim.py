@@ -56,7 +56,10 @@ class OptimizerConfig(ABC):
 
 @dataclass
 class AdamWConfig(OptimizerConfig):
-    """AdamW (fused on CUDA, foreach elsewhere).
+    """AdamW, fused (one kernel per device and dtype, on CPU and CUDA).
+
+    The fused kernel also takes a found-inf flag, so a step with a non-finite gradient norm is skipped on the device
+    without reading the norm back on the host (:func:`xtl.train.step.optimizer_step_unless_nonfinite`).
 
     Attributes:
         betas: Coefficients of the running averages of the gradient and its square.
@@ -68,10 +71,7 @@ class AdamWConfig(OptimizerConfig):
 
     def create(self, groups: list[dict], device: torch.device) -> torch.optim.Optimizer:
         """``torch.optim.AdamW`` over ``groups``."""
-        fused = device.type == "cuda"
-        return torch.optim.AdamW(
-            groups, lr=self.lr, betas=tuple(self.betas), eps=self.eps, fused=fused, foreach=None if fused else True
-        )
+        return torch.optim.AdamW(groups, lr=self.lr, betas=tuple(self.betas), eps=self.eps, fused=True)
 
 
 @dataclass

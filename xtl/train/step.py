@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -105,3 +106,62 @@ def grad_norm_and_clip(params: Sequence[nn.Parameter], max_norm: float | None) -
         for group in groups.values():
             torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=True)
     return total.detach()
+
+
+def optimizer_step_unless_nonfinite(optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor) -> torch.Tensor:
+    """Step ``optimizer`` unless ``grad_norm`` is not finite; returns the found-inf flag (1.0: skipped).
+
+    Optimizers with a fused found-inf path (``_step_supports_amp_scaling``: fused AdamW/Adam/SGD) get the flag as
+    ``GradScaler`` hands it over and skip on the device: weights, moments and the step count stay untouched and
+    nothing is read back on the host. Other optimizers read the flag on the host (one sync) and, on a non-finite
+    step, step with every gradient set to ``None`` (torch optimizers skip parameters without a gradient). In both
+    cases ``optimizer.step()`` is called once, so Lightning counts the step.
+
+    Args:
+        optimizer: The optimizer (a Lightning ``LightningOptimizer`` wrapper or a torch optimizer).
+        grad_norm: The step's total gradient norm (a device tensor).
+    """
+    found_inf = (~torch.isfinite(grad_norm)).float()
+    inner = getattr(optimizer, "optimizer", optimizer)
+    if getattr(inner, "_step_supports_amp_scaling", False):
+        inner.grad_scale = None
+        inner.found_inf = found_inf.to(_param_device(inner))
+    elif bool(found_inf):
+        optimizer.zero_grad(set_to_none=True)
+    optimizer.step()
+    return found_inf
+
+
+def _param_device(optimizer: torch.optim.Optimizer) -> torch.device:
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            return param.device
+    return torch.device("cpu")
+
+
+class StepWindow:
+    """Wall time and tokens since the last logged step, for rates that are honest on asynchronous devices.
+
+    A step's host-side duration is not its device time on a GPU (kernels are still queued), so rates are taken over
+    the window between two logged steps, after waiting for the device once per window (the logged values are read
+    then anyway).
+    """
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.tokens = 0
+        self.steps = 0
+
+    def add(self, tokens: int | torch.Tensor) -> None:
+        """Count one step's tokens (a host int or a device tensor; nothing is read back here)."""
+        self.tokens = self.tokens + tokens
+        self.steps += 1
+
+    def close(self, device: torch.device) -> tuple[float, float, int]:
+        """Wait for ``device``, return ``(tokens, seconds, steps)`` of the window and start the next one."""
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        now = time.perf_counter()
+        window = (float(self.tokens), max(now - self.start, 1e-9), self.steps)
+        self.start, self.tokens, self.steps = now, 0, 0
+        return window

@@ -82,7 +82,7 @@ class MoE(Dense):
         return hidden, self._extras(stats, hidden, token_mask)
 
     @torch.no_grad()
-    def update_router_bias(self, tokens_per_expert: torch.Tensor, lr: float) -> None:
+    def update_router_bias(self, tokens_per_expert: torch.Tensor, lr: float | torch.Tensor) -> None:
         """Aux-loss-free balancing: update every correction-bias router from the step's expert loads.
 
         Call once after each optimizer step. Routers without a correction bias are left alone.
@@ -90,7 +90,7 @@ class MoE(Dense):
         Args:
             tokens_per_expert: ``(L, E)`` loads accumulated over the step (``extras["tokens_per_expert"]`` summed
                 over micro-batches and all-reduced over data-parallel ranks).
-            lr: Bias update speed.
+            lr: Bias update speed (a tensor too: 0 on a skipped step, without reading it on the host).
         """
         moe_layers = self.moe_layer_indices
         if tokens_per_expert.shape[0] != len(moe_layers):
