@@ -96,3 +96,104 @@ class TestFlashAttention:
         torch.testing.assert_close(
             flash_attention(q, k, v, mask, 0.25), sdpa_attention(q, k, v, mask, 0.25), atol=2e-2, rtol=2e-2
         )
+
+
+def _per_document_sdpa(q, k, v, bounds, scale):
+    """The previous packed path: one SDPA call per document (the reference the grouped path must equal)."""
+    outs = [
+        torch.nn.functional.scaled_dot_product_attention(
+            q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+        )
+        for s, e in zip(bounds[:-1], bounds[1:])
+    ]
+    return torch.cat(outs, dim=2).transpose(1, 2).contiguous()
+
+
+def _packed(lengths, **kwargs):
+    bounds = [0]
+    for n in lengths:
+        bounds.append(bounds[-1] + n)
+    return AttentionMaskSpec(cu_seq_lens=torch.tensor(bounds, dtype=torch.int32), max_seq_len=max(lengths), **kwargs)
+
+
+LENGTHS = [5, 7, 5, 3, 7, 5, 1, 4]  # 37 tokens, 5 distinct lengths: 5 thrice, 7 twice, 3, 1, 4 once
+
+
+class _SdpaSpy:
+    """Wraps ``scaled_dot_product_attention`` to record the shapes of its queries and masks."""
+
+    def __init__(self, monkeypatch):
+        self.calls = []
+        self._sdpa = torch.nn.functional.scaled_dot_product_attention
+        monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", self)
+
+    def __call__(self, q, k, v, attn_mask=None, **kwargs):
+        self.calls.append((tuple(q.shape), None if attn_mask is None else tuple(attn_mask.shape)))
+        return self._sdpa(q, k, v, attn_mask=attn_mask, **kwargs)
+
+
+class TestPackedSdpa:
+    # One SDPA call over equal-length documents stacked along the batch equals one call per document bitwise on
+    # CPU (each (batch, head) slice runs the same kernel blocking), forward and backward, fp32 and bf16.
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+    @pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
+    def test_grouped_equals_per_document_bitwise(self, dtype, kv_heads):
+        q, k, v = (t.requires_grad_() for t in _qkv(seq=sum(LENGTHS), kv_heads=kv_heads, dtype=dtype))
+        mask = _packed(LENGTHS)
+        out = sdpa_attention(q, k, v, mask, 0.25)
+        inputs = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        ref = _per_document_sdpa(*inputs, mask.doc_bounds, 0.25)
+        assert torch.equal(out, ref)
+        grad = torch.randn_like(out)
+        out.backward(grad)
+        ref.backward(grad)
+        for ours, theirs in zip((q, k, v), inputs):
+            assert torch.equal(ours.grad, theirs.grad)
+
+    def test_one_call_per_distinct_length(self, monkeypatch):
+        spy = _SdpaSpy(monkeypatch)
+        q, k, v = _qkv(seq=sum(LENGTHS))
+        sdpa_attention(q, k, v, _packed(LENGTHS), 0.25)
+        # (documents stacked, length) of each call
+        assert sorted((shape[0], shape[2]) for shape, _ in spy.calls) == [(1, 1), (1, 3), (1, 4), (2, 7), (3, 5)]
+        assert all(m is None for _, m in spy.calls)  # causal without a mask tensor
+
+    @pytest.mark.parametrize("window", [1, 3, 6])
+    def test_sliding_window_uses_per_document_bands(self, monkeypatch, window):
+        spy = _SdpaSpy(monkeypatch)
+        q, k, v = (t.requires_grad_() for t in _qkv(seq=sum(LENGTHS)))
+        mask = _packed(LENGTHS, sliding_window=window)
+        out = sdpa_attention(q, k, v, mask, 0.25)
+        # no (T, T) mask: documents no longer than the window run causal, the others an (L, L) band
+        assert all(m is None or m == (shape[2], shape[2]) for shape, m in spy.calls)
+        assert {shape[2] for shape, m in spy.calls if m is not None} == {n for n in LENGTHS if n > window}
+        inputs = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        ref = eager_attention(*inputs, mask, 0.25)  # one call with the full (T, T) mask
+        # fp32, different kernels (SDPA vs matmul + softmax): 1e-6 absolute on O(1) values.
+        torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-6)
+        grad = torch.randn_like(out)
+        out.backward(grad)
+        ref.backward(grad)
+        for ours, theirs in zip((q, k, v), inputs):
+            torch.testing.assert_close(ours.grad, theirs.grad, atol=1e-6, rtol=1e-6)
+
+    def test_bounds_only_on_device_use_the_explicit_mask(self):
+        q, k, v = _qkv()
+        mask = SPECS["packed"]
+        no_host_bounds = AttentionMaskSpec(cu_seq_lens=mask.cu_seq_lens, max_seq_len=9)
+        no_host_bounds.doc_bounds = None  # as for a CUDA ``cu_seq_lens`` built without ``doc_bounds``
+        torch.testing.assert_close(
+            sdpa_attention(q, k, v, no_host_bounds, 0.25), sdpa_attention(q, k, v, mask, 0.25), atol=1e-6, rtol=1e-6
+        )
+
+    def test_doc_bounds_derived_only_from_host_tensors(self):
+        assert AttentionMaskSpec(cu_seq_lens=torch.tensor([0, 3, 5])).doc_bounds == [0, 3, 5]
+        # a device tensor (meta stands in for CUDA here) is never read back: reading it would sync (meta: raise)
+        assert AttentionMaskSpec(cu_seq_lens=torch.tensor([0, 3, 5], device="meta")).doc_bounds is None
+
+    def test_banded_mask_is_shared_across_layers(self):
+        mask = _packed([4, 4], sliding_window=2)
+        band = mask.with_window(2).banded_causal_mask(4, torch.device("cpu"))
+        assert band is mask.with_window(2).banded_causal_mask(4, torch.device("cpu"))
+        expected = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [0, 1, 1, 0], [0, 0, 1, 1]], dtype=torch.bool)
+        assert torch.equal(band, expected)

@@ -51,3 +51,40 @@ class TestEagerSinks:
             sdpa_attention(q, k, v, AttentionMaskSpec(), 0.3, sinks=torch.zeros(2)),
             eager_attention(q, k, v, AttentionMaskSpec(), 0.3, sinks=torch.zeros(2)),
         )
+
+
+class TestPackedSinks:
+    """Sinks over a packed batch run eager attention per document group: no ``(T, T)`` mask, same result."""
+
+    # fp32: the same eager op order per document; only the matmul shapes differ from one (T, T) call: 1e-6 abs.
+    @pytest.mark.parametrize("window", [None, 3])
+    def test_matches_full_mask_eager(self, monkeypatch, window):
+        lengths = [5, 7, 5, 3, 7, 1]
+        bounds = [0, 5, 12, 17, 20, 27, 28]
+        spec = AttentionMaskSpec(
+            cu_seq_lens=torch.tensor(bounds, dtype=torch.int32), max_seq_len=7, sliding_window=window
+        )
+        torch.manual_seed(0)
+        q = torch.randn(1, 4, 28, 16, requires_grad=True)
+        k = torch.randn(1, 2, 28, 16, requires_grad=True)
+        v = torch.randn(1, 2, 28, 16, requires_grad=True)
+        sinks = torch.randn(4, requires_grad=True)
+        inputs = [t.detach().clone().requires_grad_() for t in (q, k, v, sinks)]
+        ref = eager_attention(*inputs[:3], spec, 0.25, sinks=inputs[3])
+
+        mask_rows = []
+        boolean_mask = AttentionMaskSpec.boolean_mask
+
+        def spy(self, batch, seq_len, device, kv_len=None):
+            mask_rows.append(seq_len)
+            return boolean_mask(self, batch, seq_len, device, kv_len)
+
+        monkeypatch.setattr(AttentionMaskSpec, "boolean_mask", spy)
+        out = sdpa_attention(q, k, v, spec, 0.25, sinks=sinks)
+        assert sorted(mask_rows) == sorted(set(lengths))  # one (L, L) mask per document group, none (T, T)
+        torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-6)
+        grad = torch.randn_like(out)
+        out.backward(grad)
+        ref.backward(grad)
+        for ours, theirs in zip((q, k, v, sinks), inputs):
+            torch.testing.assert_close(ours.grad, theirs.grad, atol=1e-6, rtol=1e-6)

@@ -23,7 +23,8 @@ class MultiHeadAttention(nn.Module):
         o_bias: Bias on the output projection.
         qk_norm: RMSNorm over each query/key head before rotary (Qwen3).
         rms_norm_eps: Epsilon of the q/k norms.
-        attn_impl: ``auto``, ``eager``, ``sdpa`` or ``flash`` (resolved per call: the HF-parity selectors apply live).
+        attn_impl: ``auto``, ``eager``, ``sdpa``, ``flash`` or ``varlen`` (resolved per call: the HF-parity selectors
+            apply live).
         sliding_window: Window of this layer, or ``None`` for full attention.
         dropout: Attention dropout in training.
     """

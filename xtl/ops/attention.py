@@ -5,16 +5,21 @@ describing which keys each query may see, and returns ``(B, T, H, D)``. ``S`` is
 include cached ones (decoding with a KV cache): the queries are then the last ``T`` keys.
 
 - ``eager``: bitwise equal to transformers' ``eager_attention_forward`` (fp32 softmax, same op order).
-- ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention``; packed batches run per document (CPU default).
+- ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention``. A packed batch runs one call per distinct
+  document length (equal-length documents stacked along the batch), each causal, or with an ``(L, L)`` banded mask
+  for a sliding window; sinks run :func:`eager_attention` per document group. CPU default.
 - ``flash``: flash-attn varlen kernels (GPU, when ``flash_attn`` is importable).
+- ``varlen``: PyTorch's own FlashAttention varlen kernel, ``torch.nn.attention.varlen.varlen_attn`` (GPU).
 
+``auto`` picks ``flash``, else ``varlen`` (CUDA), else ``sdpa``. ``flash`` and ``varlen`` hand what their kernel
+does not do (sinks, padding masks, cached keys; for ``varlen`` also dropout, fp32 and CPU tensors) to ``sdpa``.
 ``XTL_HF_IMPL=1`` makes :func:`get_attn_impl_fn` return ``eager`` whatever was asked.
 """
 
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -22,7 +27,11 @@ import torch.nn.functional as F
 
 from xtl.ops.selector import hf_impl_enabled
 
-ATTN_IMPLS = ("auto", "eager", "sdpa", "flash")
+ATTN_IMPLS = ("auto", "eager", "sdpa", "flash", "varlen")
+
+# What torch's varlen kernel (FlashAttention 2) takes: half-precision inputs, head dims up to 256 in steps of 8.
+_VARLEN_DTYPES = (torch.float16, torch.bfloat16)
+_VARLEN_MAX_HEAD_DIM = 256
 
 
 @dataclass
@@ -34,8 +43,9 @@ class AttentionMaskSpec:
         max_seq_len: Longest document of a packed batch.
         padding_mask: ``(B, S)`` over the keys with 1 for real tokens, 0 for padding (ordinary batches only).
         sliding_window: Keys further than ``sliding_window - 1`` positions back are hidden.
-        doc_bounds: ``cu_seq_lens`` as Python ints, read once per forward (not once per layer: on GPU each read
-            is a device-to-host sync).
+        doc_bounds: ``cu_seq_lens`` as Python ints (the packed batch's host-side copy). Derived here only when
+            ``cu_seq_lens`` is on the CPU; a device tensor is never read back (each read is a device-to-host
+            sync), so without ``doc_bounds`` a packed batch on GPU attends through an explicit ``(T, T)`` mask.
 
     With ``S`` keys for ``T < S`` queries (cached keys, :class:`xtl.module.kv_cache.KVCache`) the queries are the
     last ``T`` keys, and the masks are built once per forward and shared by its layers.
@@ -45,12 +55,24 @@ class AttentionMaskSpec:
     max_seq_len: int | None = None
     padding_mask: torch.Tensor | None = None
     sliding_window: int | None = None
-    doc_bounds: list[int] | None = None
+    doc_bounds: Sequence[int] | None = None
     built: dict[tuple, torch.Tensor] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if self.cu_seq_lens is not None and self.doc_bounds is None:
+        if self.doc_bounds is None and self.cu_seq_lens is not None and self.cu_seq_lens.device.type == "cpu":
             self.doc_bounds = self.cu_seq_lens.tolist()
+
+    def document_bounds(self, seq_len: int, kv_len: int) -> Sequence[int] | None:
+        """Host-side boundaries of the documents that attend independently, causally, without padding.
+
+        An ordinary batch is one document per row (``[0, T]``). ``None`` where attention needs an explicit mask:
+        a padding mask, cached keys (``kv_len != seq_len``), or packed boundaries known only on the device.
+        """
+        if self.padding_mask is not None or kv_len != seq_len:
+            return None
+        if self.cu_seq_lens is None:
+            return [0, seq_len]
+        return self.doc_bounds
 
     def with_window(self, sliding_window: int | None) -> AttentionMaskSpec:
         """The same spec for a layer with the given sliding window (sharing the masks built for the forward)."""
@@ -74,7 +96,7 @@ class AttentionMaskSpec:
             allowed = allowed & (k_idx > q_idx - self.sliding_window)
         if self.cu_seq_lens is not None:
             lengths = (self.cu_seq_lens[1:] - self.cu_seq_lens[:-1]).long().to(device)
-            doc = torch.repeat_interleave(torch.arange(lengths.numel(), device=device), lengths)
+            doc = torch.repeat_interleave(torch.arange(lengths.numel(), device=device), lengths, output_size=kv_len)
             allowed = allowed & (doc[:, None] == doc[None, :])
         allowed = allowed[None, None].expand(batch, 1, seq_len, kv_len)
         if self.padding_mask is not None:
@@ -82,6 +104,21 @@ class AttentionMaskSpec:
         if kv_len != seq_len:  # decoding with cached keys: every layer of the forward asks for the same mask
             self.built[key] = allowed
         return allowed
+
+    def banded_causal_mask(self, length: int, device: torch.device) -> torch.Tensor:
+        """``(L, L)`` boolean causal mask of one document under this spec's sliding window (True: allowed).
+
+        Built once per forward and length, and shared by the forward's layers with the same window.
+        """
+        key = ("band", length, self.sliding_window, device)
+        if key not in self.built:
+            idx = torch.arange(length, device=device)
+            behind = idx[:, None] - idx[None, :]  # query minus key position
+            allowed = behind >= 0
+            if self.sliding_window is not None:
+                allowed = allowed & (behind < self.sliding_window)
+            self.built[key] = allowed
+        return self.built[key]
 
     def additive_mask(
         self, batch: int, seq_len: int, dtype: torch.dtype, device: torch.device, kv_len: int | None = None
@@ -97,28 +134,44 @@ AttnFn = Callable[..., torch.Tensor]
 def get_attn_impl_fn(name: str = "auto") -> AttnFn:
     """Return the attention function for ``name`` (``auto`` picks the fastest available).
 
+    ``auto`` is ``flash`` when flash-attn is installed on CUDA, else ``varlen`` on CUDA, else ``sdpa``.
+
     Args:
-        name: One of ``auto``, ``eager``, ``sdpa``, ``flash``.
+        name: One of ``auto``, ``eager``, ``sdpa``, ``flash``, ``varlen``.
 
     Raises:
-        ValueError: For an unknown name, or ``flash`` where flash-attn or CUDA is missing.
+        ValueError: For an unknown name, ``flash`` where flash-attn or CUDA is missing, or ``varlen`` where CUDA
+            or ``torch.nn.attention.varlen`` is missing.
     """
     if name not in ATTN_IMPLS:
         raise ValueError(f"unknown attention implementation {name!r}; choose one of {ATTN_IMPLS}")
     if hf_impl_enabled() or name == "eager":
         return eager_attention
     if name == "auto":
-        return flash_attention if flash_attn_available() else sdpa_attention
+        if flash_attn_available():
+            return flash_attention
+        return varlen_attention if varlen_available() else sdpa_attention
     if name == "flash":
         if not flash_attn_available():
             raise ValueError("attn_impl='flash' needs CUDA and the flash-attn package; use 'sdpa' or 'auto'")
         return flash_attention
+    if name == "varlen":
+        if not varlen_available():
+            raise ValueError(
+                "attn_impl='varlen' needs CUDA and torch.nn.attention.varlen (PyTorch >= 2.10); use 'sdpa' or 'auto'"
+            )
+        return varlen_attention
     return sdpa_attention
 
 
 def flash_attn_available() -> bool:
     """True when CUDA is present and ``flash_attn`` can be imported."""
     return torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
+
+
+def varlen_available() -> bool:
+    """True when CUDA is present and PyTorch ships ``torch.nn.attention.varlen`` (its FlashAttention kernel)."""
+    return torch.cuda.is_available() and importlib.util.find_spec("torch.nn.attention.varlen") is not None
 
 
 def repeat_kv(hidden_states: torch.Tensor, n_rep: int) -> torch.Tensor:
@@ -178,37 +231,111 @@ def sdpa_attention(
     dropout: float = 0.0,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``scaled_dot_product_attention``; a packed batch is attended one document at a time (no mask tensor).
+    """``scaled_dot_product_attention``, one call per distinct document length of a packed batch.
 
-    Sliding windows, padding and sinks fall back to an explicit mask or to :func:`eager_attention`.
+    Documents of equal length are stacked along the batch dimension and attended in one call, causally (or with an
+    ``(L, L)`` banded mask for a sliding window shorter than the document); the result equals one call per
+    document bitwise. Sinks run :func:`eager_attention` per document group the same way. Padding masks, cached
+    keys and packed batches without host-side ``doc_bounds`` use one call with an explicit mask (sinks: one
+    :func:`eager_attention` call).
+
+    Args:
+        q: Queries ``(B, H, T, D)``.
+        k: Keys ``(B, Hkv, S, D)``.
+        v: Values ``(B, Hkv, S, Dv)``.
+        mask: Visibility spec.
+        scaling: Softmax scale.
+        dropout: Attention dropout probability (training only).
+        sinks: Optional per-head attention-sink logits ``(H,)`` (GPT-OSS).
+
+    Returns:
+        ``(B, T, H, Dv)``.
     """
+    bounds = mask.document_bounds(q.shape[2], k.shape[2])
+    if bounds is None:
+        return _sdpa_masked(q, k, v, mask, scaling, dropout, sinks)
+    window = mask.sliding_window
+    if sinks is not None:
+        per_doc = AttentionMaskSpec(sliding_window=window)
+
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return eager_attention(q, k, v, per_doc, scaling, dropout, sinks)
+
+    else:
+
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            length, gqa = q.shape[2], q.shape[1] != k.shape[1]
+            if window is None or window >= length:  # the window hides nothing inside this document
+                out = F.scaled_dot_product_attention(
+                    q, k, v, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=gqa
+                )
+            else:
+                band = mask.banded_causal_mask(length, q.device)
+                out = F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=band, dropout_p=dropout, scale=scaling, enable_gqa=gqa
+                )
+            return out.transpose(1, 2)
+
+    return attend_by_document_length(q, k, v, bounds, attend)
+
+
+def attend_by_document_length(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bounds: Sequence[int],
+    attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """Run ``attend`` once per distinct document length, documents of equal length stacked along the batch.
+
+    Args:
+        q: Queries ``(B, H, T, D)``.
+        k: Keys ``(B, Hkv, T, D)``.
+        v: Values ``(B, Hkv, T, Dv)``.
+        bounds: Document boundaries as host ints, ``0 = bounds[0] < ... < bounds[-1] = T``.
+        attend: Attention within documents: ``(n, H, L, D)`` inputs to an ``(n, L, H, Dv)`` output.
+
+    Returns:
+        ``(B, T, H, Dv)``, contiguous: each document's output in its place.
+    """
+    lengths = [end - start for start, end in zip(bounds[:-1], bounds[1:])]
+    if len(lengths) == 1:
+        return attend(q, k, v).contiguous()
+    # split/cat rather than slicing: their backward is one cat/view each, where every slice's backward would
+    # allocate a zero gradient of the whole input (O(documents x T))
+    docs_q, docs_k, docs_v = (t.split(lengths, dim=2) for t in (q, k, v))
+    by_length: dict[int, list[int]] = {}
+    for doc, length in enumerate(lengths):
+        by_length.setdefault(length, []).append(doc)
+    pieces: dict[int, torch.Tensor] = {}  # document index -> its (B, L, H, Dv) output
+    for group in by_length.values():
+        if len(group) == 1:  # a length seen once: attend the document's views, no copy
+            doc = group[0]
+            pieces[doc] = attend(docs_q[doc], docs_k[doc], docs_v[doc])
+            continue
+        out = attend(*(torch.cat([docs[doc] for doc in group]) for docs in (docs_q, docs_k, docs_v)))
+        for doc, piece in zip(group, out.split(q.shape[0])):
+            pieces[doc] = piece
+    return torch.cat([pieces[doc] for doc in range(len(lengths))], dim=1)
+
+
+def _sdpa_masked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: AttentionMaskSpec,
+    scaling: float,
+    dropout: float,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """One call over all ``(B, T, S)`` scores: padding masks, cached keys, device-only document boundaries."""
     if sinks is not None:
         return eager_attention(q, k, v, mask, scaling, dropout, sinks)
     gqa = q.shape[1] != k.shape[1]
-    unmasked = mask.sliding_window is None and mask.padding_mask is None
-    if unmasked and q.shape[2] == 1:  # one query per row, the last key: it sees every key
+    if mask.sliding_window is None and mask.padding_mask is None and q.shape[2] == 1:
+        # one query per row, the last key: it sees every key
         out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=scaling, enable_gqa=gqa)
         return out.transpose(1, 2).contiguous()
-    if unmasked and q.shape[2] == k.shape[2]:
-        if mask.doc_bounds is None or len(mask.doc_bounds) == 2:
-            out = F.scaled_dot_product_attention(
-                q, k, v, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=gqa
-            )
-            return out.transpose(1, 2).contiguous()
-        bounds = mask.doc_bounds
-        outs = [
-            F.scaled_dot_product_attention(
-                q[:, :, s:e],
-                k[:, :, s:e],
-                v[:, :, s:e],
-                dropout_p=dropout,
-                is_causal=True,
-                scale=scaling,
-                enable_gqa=gqa,
-            )
-            for s, e in zip(bounds[:-1], bounds[1:])
-        ]
-        return torch.cat(outs, dim=2).transpose(1, 2).contiguous()
     allowed = mask.boolean_mask(q.shape[0], q.shape[2], q.device, k.shape[2])
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout, scale=scaling, enable_gqa=gqa)
     return out.transpose(1, 2).contiguous()
@@ -229,21 +356,12 @@ def flash_attention(
     if sinks is not None or mask.padding_mask is not None or q.shape[2] != k.shape[2]:
         return sdpa_attention(q, k, v, mask, scaling, dropout, sinks)
     batch, heads, seq_len, head_dim = q.shape
-    if mask.cu_seq_lens is None:
-        cu = torch.arange(0, (batch + 1) * seq_len, seq_len, dtype=torch.int32, device=q.device)
-        max_len = seq_len
-    else:
-        cu = mask.cu_seq_lens.to(device=q.device, dtype=torch.int32)
-        max_len = int(mask.max_seq_len or seq_len)
-    window = (-1, -1) if mask.sliding_window is None else (mask.sliding_window - 1, 0)
-
-    def flat(t: torch.Tensor) -> torch.Tensor:
-        return t.transpose(1, 2).reshape(-1, t.shape[1], head_dim)
-
+    cu, max_len = varlen_cu_seqlens(mask, batch, seq_len, q.device)
+    window = (-1, -1) if mask.sliding_window is None else varlen_window(mask.sliding_window)
     out = flash_attn_varlen_func(
-        flat(q),
-        flat(k),
-        flat(v),
+        flatten_heads(q),
+        flatten_heads(k),
+        flatten_heads(v),
         cu,
         cu,
         max_len,
@@ -254,3 +372,119 @@ def flash_attention(
         window_size=window,
     )
     return out.reshape(batch, seq_len, heads, head_dim)
+
+
+def varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: AttentionMaskSpec,
+    scaling: float,
+    dropout: float = 0.0,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """PyTorch's FlashAttention varlen kernel (``torch.nn.attention.varlen.varlen_attn``) over packed documents.
+
+    Queries, keys and values are flattened to ``(B * T, H, D)`` with document boundaries ``cu_seqlens`` (an
+    ordinary batch is one document per row); GQA is native, a sliding window is the kernel's ``window_size``, and
+    values narrower than the queries (MLA) are zero-padded and the output cut back. What the kernel does not do
+    falls back to :func:`sdpa_attention`: sinks, padding masks, cached keys, dropout (the kernel has none), fp32 or
+    CPU tensors, head dims not a multiple of 8 or above 256.
+
+    Args:
+        q: Queries ``(B, H, T, D)``.
+        k: Keys ``(B, Hkv, T, D)``.
+        v: Values ``(B, Hkv, T, Dv)``, ``Dv <= D``.
+        mask: Visibility spec.
+        scaling: Softmax scale.
+        dropout: Attention dropout probability (training only).
+        sinks: Optional per-head attention-sink logits ``(H,)`` (GPT-OSS).
+
+    Returns:
+        ``(B, T, H, Dv)``.
+    """
+    if not varlen_supported(q, k, v, mask, dropout, sinks):
+        return sdpa_attention(q, k, v, mask, scaling, dropout, sinks)
+    from torch.nn.attention.varlen import varlen_attn
+
+    batch, heads, seq_len, head_dim = q.shape
+    value_dim = v.shape[-1]
+    if value_dim != head_dim:
+        v = F.pad(v, (0, head_dim - value_dim))
+    cu, max_len = varlen_cu_seqlens(mask, batch, seq_len, q.device)
+    out = varlen_attn(
+        flatten_heads(q),
+        flatten_heads(k),
+        flatten_heads(v),
+        cu,
+        cu,
+        max_len,
+        max_len,
+        scale=scaling,
+        window_size=varlen_window(mask.sliding_window),
+        enable_gqa=heads != k.shape[1],
+    )
+    out = unflatten_heads(out, batch)
+    return out if value_dim == head_dim else out[..., :value_dim].contiguous()
+
+
+def varlen_supported(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: AttentionMaskSpec,
+    dropout: float = 0.0,
+    sinks: torch.Tensor | None = None,
+) -> bool:
+    """Whether :func:`varlen_attention` can run these inputs on its kernel (else it calls :func:`sdpa_attention`)."""
+    head_dim = q.shape[-1]
+    return (
+        q.is_cuda
+        and q.dtype in _VARLEN_DTYPES
+        and sinks is None
+        and dropout == 0.0
+        and mask.padding_mask is None
+        and q.shape[2] == k.shape[2]
+        and (mask.cu_seq_lens is None or q.shape[0] == 1)
+        and head_dim % 8 == 0
+        and head_dim <= _VARLEN_MAX_HEAD_DIM
+        and v.shape[-1] <= head_dim
+    )
+
+
+def varlen_window(sliding_window: int | None) -> tuple[int, int]:
+    """FlashAttention's ``window_size`` ``(left, right)`` for a causal layer.
+
+    ``(-1, 0)`` is plain causal; a window of ``W`` keys (the query and the ``W - 1`` before it, transformers'
+    ``sliding_window``) is ``(W - 1, 0)``. A tuple, as ``varlen_attn`` detects causal by ``== (-1, 0)``.
+    """
+    return (-1, 0) if sliding_window is None else (sliding_window - 1, 0)
+
+
+def varlen_cu_seqlens(
+    mask: AttentionMaskSpec, batch: int, seq_len: int, device: torch.device
+) -> tuple[torch.Tensor, int]:
+    """``(cu_seqlens, max_seqlen)`` of the flattened ``B * T`` tokens, with no device-to-host sync.
+
+    An ordinary batch is one document per row. ``max_seqlen`` is ``mask.max_seq_len``, else the longest of
+    ``doc_bounds``, else ``T`` (an upper bound only sizes the kernel's grid).
+    """
+    if mask.cu_seq_lens is None:
+        return torch.arange(0, (batch + 1) * seq_len, seq_len, dtype=torch.int32, device=device), seq_len
+    cu = mask.cu_seq_lens.to(device=device, dtype=torch.int32)
+    if mask.max_seq_len is not None:
+        return cu, int(mask.max_seq_len)
+    if mask.doc_bounds is not None:
+        bounds = mask.doc_bounds
+        return cu, max(end - start for start, end in zip(bounds[:-1], bounds[1:]))
+    return cu, seq_len
+
+
+def flatten_heads(t: torch.Tensor) -> torch.Tensor:
+    """``(B, H, T, D)`` to the varlen layout ``(B * T, H, D)`` (rows laid end to end; a view when ``B == 1``)."""
+    return t.transpose(1, 2).reshape(-1, t.shape[1], t.shape[-1])
+
+
+def unflatten_heads(t: torch.Tensor, batch: int) -> torch.Tensor:
+    """The varlen layout ``(B * T, H, D)`` back to ``(B, T, H, D)``."""
+    return t.reshape(batch, -1, *t.shape[1:])
