@@ -20,6 +20,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
 from jsonargparse import Namespace, set_parsing_settings
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
@@ -101,6 +102,10 @@ class XTLCLI(LightningCLI):
         config = self.config[self.subcommand] if self.subcommand else self.config
         root_outputs_at(config)
         trainer = config.trainer
+        fallback = bf16_fallback(trainer.precision, trainer.accelerator)
+        if fallback is not None:
+            print(f"xtl: {fallback}", file=sys.stderr)
+            trainer.precision = "32-true"
         bars = [c for c in trainer.callbacks or [] if "ProgressBar" in str(getattr(c, "class_path", ""))]
         if trainer.enable_progress_bar is not False and not bars:
             bar = Namespace(class_path="xtl.callbacks.StepProgressBar", init_args=Namespace(refresh_rate=1))
@@ -144,6 +149,29 @@ def _main(argv: list[str] | None) -> int:
         print(f"xtl: error: {short_message(cause)}", file=sys.stderr)
         return 2
     return 0
+
+
+def bf16_fallback(precision: Any, accelerator: Any) -> str | None:
+    """A note when ``precision`` asks for bf16 that the accelerator cannot compute (the run then uses fp32).
+
+    bf16 runs on CUDA devices that report bf16 support and on CPUs with native bf16 instructions (AVX512-BF16,
+    AMX); elsewhere autocast would emulate it, slower than fp32.
+    """
+    if not str(precision).startswith("bf16"):
+        return None
+    name = str(accelerator or "auto")
+    use_cuda = name in ("cuda", "gpu") or name == "auto" and torch.cuda.is_available()
+    if use_cuda:
+        supported = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+        where = "this GPU"
+    elif name in ("cpu", "auto"):
+        supported = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        where = "this CPU (no AVX512-BF16 or AMX)"
+    else:
+        return None
+    if supported:
+        return None
+    return f"trainer.precision {precision} is not supported natively on {where}; training in 32-true instead"
 
 
 def root_outputs_at(config: Any) -> None:

@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from transformers import AutoModelForCausalLM
 
 import xtl.cli
-from xtl.cli import main
+from xtl.cli import bf16_fallback, main
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = sorted((ROOT / "configs").glob("*.yaml"))
@@ -182,6 +183,36 @@ class TestTinyRecipesRun:
         metrics = sorted(Path("runs/tiny_sft/logs").glob("version_*/metrics.csv"))[-1]
         logged = {k for row in csv.DictReader(metrics.open()) for k, v in row.items() if v}
         assert {"val/loss", "val/perplexity", "val/token_accuracy", "eval/exact_match"} <= logged
+
+
+class TestPrecisionDefault:
+    def test_tiny_recipe_trains_in_bf16_mixed_where_the_cpu_has_bf16(self, tmp_path, monkeypatch, data_cache):
+        if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            pytest.skip("this CPU has no native bf16: the fallback test covers it")
+        monkeypatch.chdir(tmp_path)
+        assert (
+            _run_main(["fit", *_tiny_args(ROOT / "configs/tiny_sft.yaml", data_cache), "--trainer.max_steps", "1"])
+            == 0
+        )
+        saved = yaml.safe_load(next(Path("runs/tiny_sft/logs").glob("version_*/config.yaml")).read_text())
+        assert saved["trainer"]["precision"] == "bf16-mixed"
+
+    def test_without_native_bf16_the_run_falls_back_to_fp32_with_a_note(
+        self, tmp_path, monkeypatch, data_cache, capsys
+    ):
+        monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+        monkeypatch.chdir(tmp_path)
+        assert (
+            _run_main(["fit", *_tiny_args(ROOT / "configs/tiny_sft.yaml", data_cache), "--trainer.max_steps", "1"])
+            == 0
+        )
+        assert "not supported natively on this CPU" in capsys.readouterr().err
+        saved = yaml.safe_load(next(Path("runs/tiny_sft/logs").glob("version_*/config.yaml")).read_text())
+        assert saved["trainer"]["precision"] == "32-true"
+
+    def test_fp32_recipes_and_forced_fp32_are_left_alone(self):
+        assert bf16_fallback("32-true", "cpu") is None
+        assert bf16_fallback("bf16-mixed", "mps") is None
 
 
 @pytest.mark.distributed

@@ -43,8 +43,9 @@ class HFParityCheck(pl.Callback):
         every_n_steps: Also check at the start of every N-th optimizer step (0: only at the start of the fit).
         at_start: Check at the first training batch of the fit.
         mode: ``hf_impl``: the xtl model runs with transformers' exact ops (the HF-parity selectors of
-            ``xtl.ops.hf_impl``, switched on for the check only) and the reference's call shapes; bitwise equality
-            is expected. ``fast``: the run's own ops on the packed micro-batch, compared with the bounds of the
+            ``xtl.ops.hf_impl``, switched on for the check only) and the reference's call shapes, in the
+            parameters' dtype without the run's autocast (``bf16-mixed`` runs are checked in fp32); bitwise
+            equality is expected. ``fast``: the run's own ops on the packed micro-batch, compared with the bounds of the
             compute dtype.
         tolerance: ``auto`` (``bitwise`` for ``hf_impl``; ``bf16`` or ``fp32`` by compute dtype for ``fast``) or
             a preset: ``bitwise``, ``fp32``, ``bf16``, ``fp8`` (fp8 training against the bf16 reference).
@@ -136,7 +137,8 @@ class HFParityCheck(pl.Callback):
             grad_params=self.grad_params,
             max_layers=self.max_layers,
             dtype=getattr(torch, self.dtype) if self.dtype else None,
-            forward_context=trainer.precision_plugin.forward_context,
+            # hf_impl keeps its own precision (the parameters' dtype, no autocast): bitwise needs the same ops
+            forward_context=trainer.precision_plugin.forward_context if self.mode == "fast" else None,
         )
         message = ""
         if report is not None:
