@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import signal
 import time
 from pathlib import Path
@@ -20,6 +21,7 @@ from xtl.data import (
     cache_key,
     load_cache,
 )
+from xtl.data.sources import FileHashMemo
 
 from .conftest import write_jsonl
 
@@ -176,3 +178,52 @@ class TestMultiProcessBuild:
         src = JsonlSource(write_jsonl(tmp_path / "a.jsonl", records))
         with pytest.raises(DataError, match=rf"{src.path}:71: no 'text' key"):
             build_cache(src, PretrainTokenizeFn(qwen_tokenizer), tmp_path / "c", num_proc=2, rows_per_task=8)
+
+
+class TestRememberedSourceHash:
+    def test_touched_source_hits_after_a_full_rehash(self, tmp_path, qwen_tokenizer):
+        path = write_jsonl(tmp_path / "a.jsonl", _texts(30))
+        fn = GuardedFn(qwen_tokenizer)
+        first = build_cache(
+            JsonlSource(path, FileHashMemo(tmp_path / "fp", 0)), fn, tmp_path / "cache", progress=False
+        )
+        st = path.stat()
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns - 10**9))  # touched: new mtime, same content
+        fn.forbid = True
+        memo = FileHashMemo(tmp_path / "fp", 0)
+        second = build_cache(JsonlSource(path, memo), fn, tmp_path / "cache", progress=False)
+        assert memo.full_hashes == 1 and second.directory == first.directory
+        memo = FileHashMemo(tmp_path / "fp", 0)
+        assert (
+            build_cache(JsonlSource(path, memo), fn, tmp_path / "cache", progress=False).directory == first.directory
+        )
+        assert memo.full_hashes == 0
+
+    def test_changed_content_rebuilds(self, tmp_path, qwen_tokenizer):
+        path = write_jsonl(tmp_path / "a.jsonl", _texts(30, salt="x"))
+        fn = GuardedFn(qwen_tokenizer)
+        first = build_cache(
+            JsonlSource(path, FileHashMemo(tmp_path / "fp", 0)), fn, tmp_path / "cache", progress=False
+        )
+        st = path.stat()
+        write_jsonl(path, _texts(30, salt="y"))  # same size
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+        assert path.stat().st_size == st.st_size
+        fn.forbid = True
+        with pytest.raises(AssertionError, match="tokenization ran"):
+            build_cache(JsonlSource(path, FileHashMemo(tmp_path / "fp", 0)), fn, tmp_path / "cache", progress=False)
+        fn.forbid = False
+        second = build_cache(JsonlSource(path, FileHashMemo(tmp_path / "fp", 0)), fn, tmp_path / "cache")
+        assert second.directory != first.directory
+        assert second.item(0) == PretrainTokenizeFn(qwen_tokenizer)(_texts(30, salt="y")[0])[0]
+
+
+class TestPickling:
+    def test_pickled_by_path(self, tmp_path, qwen_tokenizer):
+        entry = build_cache(
+            JsonlSource(write_jsonl(tmp_path / "a.jsonl", _texts(200))), GuardedFn(qwen_tokenizer), tmp_path
+        )
+        blob = pickle.dumps(entry)
+        assert len(blob) < 1000 < entry.input_ids.nbytes + entry.offsets.nbytes
+        again = pickle.loads(blob)
+        assert np.array_equal(again.input_ids, entry.input_ids) and again.item(3) == entry.item(3)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from xtl.data import IGNORE_INDEX, MicroBatch, Pack, StepCollator, collate_pack
@@ -36,3 +37,48 @@ class TestCollate:
         assert len(step) == 2 and all(mb.labels.shape == (1, 8) for mb in step)
         moved = step[0].to("cpu")
         assert torch.equal(moved.labels, step[0].labels) and moved.num_tokens == step[0].num_tokens
+
+
+class TestPinnedTransfer:
+    def test_pin_memory_pins_every_tensor_and_keeps_host_bounds(self, monkeypatch):
+        pinned: list[tuple] = []
+
+        def fake_pin(self):  # CPU-only torch cannot pin; record what would be pinned
+            pinned.append(tuple(self.shape))
+            return self.clone()
+
+        monkeypatch.setattr(torch.Tensor, "pin_memory", fake_pin)
+        mb = collate_pack(_pack(), pad_to=10)
+        out = mb.pin_memory()
+        assert sorted(pinned) == sorted([(1, 10), (4,), (1, 10), (1, 10)])  # ids, cu_seq_lens, positions, labels
+        assert out.seq_ctx.doc_bounds == (0, 4, 7, 10) and out.seq_ctx.num_padding == 3
+        assert torch.equal(out.labels, mb.labels) and out.num_tokens == mb.num_tokens and out.pack_index == 4
+
+    def test_to_is_non_blocking_only_from_pinned_memory(self, monkeypatch):
+        calls: list[bool] = []
+        original = torch.Tensor.to
+
+        def recording_to(self, *args, **kwargs):
+            calls.append(kwargs.get("non_blocking", False))
+            return original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, "to", recording_to)
+        mb = collate_pack(_pack(), pad_to=10)
+        mb.to("cpu")
+        assert calls[-1] is False  # labels: pageable memory, a synchronous copy
+        monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: True)
+        mb.to("cpu")
+        assert calls[-1] is True
+        mb.to("cpu", non_blocking=False)
+        assert calls[-1] is False
+
+    @pytest.mark.skipif(not torch.cuda.is_available(), reason="page-locked memory needs CUDA")
+    def test_pinned_batch_reaches_the_device_intact(self):
+        mb = collate_pack(_pack(), pad_to=10)
+        pinned = mb.pin_memory()
+        assert pinned.labels.is_pinned() and pinned.seq_ctx.input_ids.is_pinned()
+        moved = pinned.to("cuda")
+        torch.cuda.synchronize()
+        assert torch.equal(moved.labels.cpu(), mb.labels)
+        assert torch.equal(moved.seq_ctx.position_ids.cpu(), mb.seq_ctx.position_ids)
+        assert moved.seq_ctx.doc_bounds == mb.seq_ctx.doc_bounds

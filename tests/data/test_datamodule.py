@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 
 import lightning.pytorch as pl
 import numpy as np
 import pytest
 import torch
 
+import xtl.data.datamodule as datamodule_module
+import xtl.data.sources as sources_module
 from xtl.data import DataError, MicroBatch, SourceSpec, XTLDataModule, tiny_assets_dir
 from xtl.data.tokenize import ChatTokenizeFn, PretrainTokenizeFn
 
@@ -150,6 +153,131 @@ class TestResumeWithWorkers:
         reference = _signature(_take(_dm(corpus, qwen_tokenizer_dir).train_dataloader(), 6))
         assert _signature(head + _take(resumed.train_dataloader(), 3)) == reference
 
+    def test_persistent_workers_resume_exactly(self, corpus, qwen_tokenizer_dir):
+        reference_loader = _dm(corpus, qwen_tokenizer_dir, val_sources=None).train_dataloader()
+        total, cut = len(reference_loader) + 4, 5  # the resumed part crosses an epoch boundary
+        expected = _signature(_take(reference_loader, total))
+
+        first = _dm(corpus, qwen_tokenizer_dir, val_sources=None, num_workers=2, prefetch_factor=4)
+        loader = first.train_dataloader()
+        assert loader.num_workers == 2 and loader.persistent_workers and loader.prefetch_factor == 4
+        head = _take(loader, cut)  # the workers have prefetched up to 8 step batches beyond this
+        state = first.state_dict()
+        assert state["consumed_samples"] == cut * 2 == loader.state_dict()["consumed_samples"]
+        # The same persistent workers continue where the consumer stopped, not where they had prefetched to.
+        assert _signature(_take(loader, 2)) == expected[cut : cut + 2]
+
+        resumed = _dm(corpus, qwen_tokenizer_dir, val_sources=None, num_workers=2)
+        resumed.load_state_dict(state)
+        resumed_loader = resumed.train_dataloader()
+        assert resumed_loader.persistent_workers
+        assert _signature(head + _take(resumed_loader, total - cut)) == expected
+
+
+class TestLoaderSettings:
+    def test_cpu_defaults(self, corpus, qwen_tokenizer_dir):
+        dm = _dm(corpus, qwen_tokenizer_dir)
+        assert dm.loader_kwargs() == {"num_workers": 0, "persistent_workers": False, "pin_memory": False}
+        loader = dm.train_dataloader()
+        assert loader.num_workers == 0 and not loader.pin_memory
+
+    def test_cuda_defaults_and_overrides(self, corpus, qwen_tokenizer_dir, monkeypatch):
+        monkeypatch.setattr(XTLDataModule, "_on_cuda", lambda self: True)
+        dm = _dm(corpus, qwen_tokenizer_dir)
+        assert dm.loader_kwargs() == {"num_workers": 2, "persistent_workers": True, "pin_memory": True}
+        dm = _dm(
+            corpus, qwen_tokenizer_dir, num_workers=3, persistent_workers=False, prefetch_factor=6, pin_memory=False
+        )
+        assert dm.loader_kwargs() == {
+            "num_workers": 3,
+            "persistent_workers": False,
+            "pin_memory": False,
+            "prefetch_factor": 6,
+        }
+        val = dm.val_dataloader()
+        assert [(v.num_workers, v.prefetch_factor, v.persistent_workers) for v in val] == [(3, 6, False)] * 2
+
+    @pytest.mark.parametrize(
+        ("setting", "message"),
+        [
+            ({"num_workers": -1}, "num_workers must be >= 0"),
+            ({"prefetch_factor": 0}, "prefetch_factor must be >= 1"),
+        ],
+    )
+    def test_bad_values(self, corpus, qwen_tokenizer_dir, setting, message):
+        with pytest.raises(DataError, match=message):
+            _dm(corpus, qwen_tokenizer_dir, **setting)
+
+
+class TestStoredPackPlan:
+    @pytest.fixture
+    def setup_kwargs(self, tmp_path, qwen_tokenizer_dir):
+        source = write_jsonl(tmp_path / "a.jsonl", sft_records(120))
+        return {
+            "sources": [SourceSpec(str(source))],
+            "tokenizer": str(qwen_tokenizer_dir),
+            "pack_max_length": 256,
+            "cache_dir": str(tmp_path / "cache"),
+            "progress": False,
+        }
+
+    @staticmethod
+    def _forbid_packing(monkeypatch):
+        def forbidden(*args, **kwargs):
+            raise AssertionError("packed again")
+
+        monkeypatch.setattr(datamodule_module, "best_fit_pack", forbidden)
+        monkeypatch.setattr(datamodule_module, "hard_pack", forbidden)
+
+    def test_warm_start_reuses_the_plan(self, setup_kwargs, monkeypatch):
+        cold = XTLDataModule(**setup_kwargs)
+        cold.setup()
+        stored = list((Path(setup_kwargs["cache_dir"]) / "plans").iterdir())
+        assert len(stored) == 1 and stored[0].suffix == ".npz"
+        self._forbid_packing(monkeypatch)
+        warm = XTLDataModule(**setup_kwargs)
+        warm.setup()
+        for name in ("pack_offsets", "seg_sample", "seg_start", "seg_end"):
+            assert np.array_equal(getattr(warm.train_split.plan, name), getattr(cold.train_split.plan, name))
+        assert warm.train_split.plan.report() == cold.train_split.plan.report()
+        assert _signature(_take(warm.train_dataloader(), 3)) == _signature(_take(cold.train_dataloader(), 3))
+
+    @pytest.mark.parametrize(
+        "change", [{"pack_max_length": 512}, {"seed": 1}, {"overlong": "drop"}, {"packing": "hard"}]
+    )
+    def test_other_settings_pack_again(self, setup_kwargs, monkeypatch, change):
+        XTLDataModule(**setup_kwargs).setup()
+        self._forbid_packing(monkeypatch)
+        with pytest.raises(AssertionError, match="packed again"):
+            XTLDataModule(**{**setup_kwargs, **change}).setup()
+
+    def test_changed_source_packs_again(self, setup_kwargs, monkeypatch):
+        XTLDataModule(**setup_kwargs).setup()
+        self._forbid_packing(monkeypatch)
+        write_jsonl(Path(setup_kwargs["sources"][0].path), sft_records(121))
+        with pytest.raises(AssertionError, match="packed again"):
+            XTLDataModule(**setup_kwargs).setup()
+
+    def test_damaged_plan_is_rebuilt(self, setup_kwargs):
+        cold = XTLDataModule(**setup_kwargs)
+        cold.setup()
+        (stored,) = (Path(setup_kwargs["cache_dir"]) / "plans").iterdir()
+        stored.write_bytes(b"not a plan")
+        warm = XTLDataModule(**setup_kwargs)
+        warm.setup()
+        assert np.array_equal(warm.train_split.plan.seg_sample, cold.train_split.plan.seg_sample)
+        assert stored.stat().st_size > 100, "rewritten"
+
+    def test_prepare_data_and_setup_hash_the_source_once(self, setup_kwargs, monkeypatch):
+        XTLDataModule(**setup_kwargs).setup()
+        calls = []
+        original = sources_module.JsonlSource.fingerprint
+        monkeypatch.setattr(sources_module.JsonlSource, "fingerprint", lambda self: calls.append(1) or original(self))
+        dm = XTLDataModule(**setup_kwargs)
+        dm.prepare_data()
+        dm.setup("fit")
+        assert len(calls) == 1
+
 
 class _Recorder(pl.LightningModule):
     def __init__(self) -> None:
@@ -166,7 +294,8 @@ class _Recorder(pl.LightningModule):
 
 
 class TestLightningCheckpoint:
-    def test_fit_resume_continues_the_data_stream(self, corpus, qwen_tokenizer_dir, tmp_path):
+    @pytest.mark.parametrize("num_workers", [0, 2])
+    def test_fit_resume_continues_the_data_stream(self, corpus, qwen_tokenizer_dir, tmp_path, num_workers):
         def trainer(max_steps: int) -> pl.Trainer:
             return pl.Trainer(
                 max_steps=max_steps,
@@ -180,10 +309,10 @@ class TestLightningCheckpoint:
             )
 
         full = _Recorder()
-        trainer(9).fit(full, datamodule=_dm(corpus, qwen_tokenizer_dir, val_sources=None))
+        trainer(9).fit(full, datamodule=_dm(corpus, qwen_tokenizer_dir, val_sources=None, num_workers=num_workers))
         first = _Recorder()
         t1 = trainer(4)
-        t1.fit(first, datamodule=_dm(corpus, qwen_tokenizer_dir, val_sources=None))
+        t1.fit(first, datamodule=_dm(corpus, qwen_tokenizer_dir, val_sources=None, num_workers=num_workers))
         t1.save_checkpoint(tmp_path / "mid.ckpt")
         checkpoint = torch.load(tmp_path / "mid.ckpt", weights_only=False)
         assert checkpoint["XTLDataModule"]["consumed_samples"] == 8
@@ -193,7 +322,9 @@ class TestLightningCheckpoint:
         with warnings.catch_warnings():
             warnings.filterwarnings("error", message=".*not resumable.*")
             trainer(9).fit(
-                second, datamodule=_dm(corpus, qwen_tokenizer_dir, val_sources=None), ckpt_path=tmp_path / "mid.ckpt"
+                second,
+                datamodule=_dm(corpus, qwen_tokenizer_dir, val_sources=None, num_workers=num_workers),
+                ckpt_path=tmp_path / "mid.ckpt",
             )
         assert first.seen + second.seen == full.seen
 

@@ -7,7 +7,21 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from xtl.data import DataError, DataFileNotFoundError, best_fit_pack, hard_pack, preset_pack
+from xtl.data import (
+    DataError,
+    DataFileNotFoundError,
+    JsonlSource,
+    MixedDataset,
+    PackedDataset,
+    PretrainTokenizeFn,
+    best_fit_pack,
+    build_cache,
+    hard_pack,
+    preset_pack,
+)
+from xtl.data.packing import load_plan, plan_fingerprint, save_plan
+
+from .conftest import write_jsonl
 
 
 def _lengths(n: int = 500, seed: int = 0) -> np.ndarray:
@@ -91,3 +105,86 @@ class TestPresetPack:
     def test_missing_file(self, tmp_path):
         with pytest.raises(DataFileNotFoundError, match="pack preset .* does not exist; fix `pack_preset`"):
             preset_pack(tmp_path / "none.npy", np.array([3]), 8)
+
+
+def _per_segment(packs: PackedDataset, index: int) -> tuple[np.ndarray, np.ndarray, list[int]]:
+    """The reference reader: one ``tokens`` call per segment."""
+    plan = packs.plan
+    parts = [
+        packs.data.tokens(int(plan.seg_sample[s]), int(plan.seg_start[s]), int(plan.seg_end[s]))
+        for s in range(int(plan.pack_offsets[index]), int(plan.pack_offsets[index + 1]))
+    ]
+    return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]), [len(p[0]) for p in parts]
+
+
+class TestPackedDataset:
+    @pytest.mark.parametrize("packing", ["hard", "best_fit"])
+    def test_one_gather_equals_per_segment_reads(self, tmp_path, qwen_tokenizer, packing):
+        fn = PretrainTokenizeFn(qwen_tokenizer)
+        caches = [
+            build_cache(
+                JsonlSource(
+                    write_jsonl(tmp_path / f"{name}.jsonl", [{"text": f"{name} {i} " * (1 + i % 9)} for i in range(n)])
+                ),
+                fn,
+                tmp_path / "cache",
+                progress=False,
+            )
+            for name, n in (("alpha", 60), ("beta", 40))
+        ]
+        data = MixedDataset(caches, [1.5, 0.5], seed=3)
+        plan = hard_pack(data.num_tokens, 40, seed=1) if packing == "hard" else best_fit_pack(data.num_tokens, 40)
+        packs = PackedDataset(data, plan)
+        mixed_sources = 0
+        for index in range(len(packs)):
+            pack = packs[index]
+            ids, labels, lengths = _per_segment(packs, index)
+            assert np.array_equal(pack.input_ids, ids) and np.array_equal(pack.labels, labels)
+            assert pack.lengths == lengths and pack.input_ids.dtype == np.int64
+            seg = slice(int(plan.pack_offsets[index]), int(plan.pack_offsets[index + 1]))
+            mixed_sources += len(set(data.source_ids[plan.seg_sample[seg]].tolist())) > 1
+        assert mixed_sources > 0, "some packs hold documents of both sources"
+        if packing == "hard":
+            assert (plan.seg_start > 0).any(), "some segments start inside a sample"
+
+
+class TestStoredPlan:
+    def test_round_trip(self, tmp_path):
+        plan = best_fit_pack(np.array([10, 300, 50, 500, 20]), 256)
+        save_plan(plan, tmp_path / "plans" / "p.npz", "key-1")
+        loaded = load_plan(tmp_path / "plans" / "p.npz", "key-1")
+        assert loaded is not None
+        for name in ("pack_offsets", "seg_sample", "seg_start", "seg_end"):
+            assert np.array_equal(getattr(loaded, name), getattr(plan, name))
+        assert loaded.report() == plan.report() and loaded.num_truncated == 2
+        assert [p.name for p in (tmp_path / "plans").iterdir()] == ["p.npz"], "no temporary file left"
+
+    def test_other_key_missing_or_damaged_file_is_a_miss(self, tmp_path):
+        path = tmp_path / "p.npz"
+        assert load_plan(path, "k") is None
+        save_plan(hard_pack(_lengths(50), 128), path, "k")
+        assert load_plan(path, "other inputs") is None
+        path.write_bytes(path.read_bytes()[:100])
+        assert load_plan(path, "k") is None
+
+    def test_failed_write_leaves_nothing(self, tmp_path, monkeypatch):
+        def broken(*args, **kwargs):
+            raise OSError("disk full")
+
+        monkeypatch.setattr(np, "savez", broken)
+        with pytest.raises(OSError, match="disk full"):
+            save_plan(hard_pack(_lengths(50), 128), tmp_path / "p.npz", "k")
+        assert list(tmp_path.iterdir()) == []
+
+    def test_fingerprint_follows_every_input(self):
+        parts = {"caches": ["a-1"], "seed": 0, "packing": "best_fit", "pack_max_length": 256, "overlong": "truncate"}
+        keys = {plan_fingerprint(parts)}
+        for change in (
+            {"caches": ["a-2"]},
+            {"seed": 1},
+            {"packing": "hard"},
+            {"pack_max_length": 512},
+            {"overlong": "drop"},
+        ):
+            keys.add(plan_fingerprint({**parts, **change}))
+        assert len(keys) == 6 and plan_fingerprint(dict(parts)) in keys

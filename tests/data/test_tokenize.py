@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import copy
+
+import numpy as np
 import pytest
+from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 
 from xtl.data import IGNORE_INDEX, ChatTokenizeFn, DataError, PretrainTokenizeFn
+from xtl.data.tokenize import TokenBytes, _span_arrays
+
+from .conftest import CORPUS, sft_records
 
 TEXT = "The quick brown fox jumps over the lazy dog. " * 6
 
@@ -70,3 +77,48 @@ class TestChatTokenizeFn:
         batch = fn.batch([rows[0], None, *rows[1:]], lambda i: f"x:{i}")
         assert batch[1] == []
         assert [b for b in batch if b] == [fn(r) for r in rows]
+
+
+def _offset_path(fn: ChatTokenizeFn, rendered) -> list:
+    encodings = fn._backend.encode_batch([r.text for r in rendered], add_special_tokens=False)
+    return [_span_arrays(enc, r.loss_spans) for enc, r in zip(encodings, rendered)]
+
+
+class TestTokenBytes:
+    def test_fast_path_equals_tokenizer_offsets(self, qwen_tokenizer):
+        fn = ChatTokenizeFn(qwen_tokenizer, template="qwen3")
+        table = fn._byte_table()
+        assert table is not None, "a byte-level BPE takes the fast path"
+        rows = sft_records(30) + [
+            {"messages": [{"role": "user", "content": text}, {"role": "assistant", "content": text[::-1]}]}
+            for text in CORPUS  # CJK, accents, emoji, tabs: multi-byte characters on both sides of the spans
+        ]
+        rendered = [fn.render(r) for r in rows]
+        for r, (ids, mask) in zip(rendered, fn._encode_rendered(rendered)):
+            fast = table.span_arrays(ids, r.text, r.loss_spans)
+            assert fast is not None, "the ids spell the text, so no fallback"
+            assert np.array_equal(fast[1], mask)
+        for (ids, mask), (ref_ids, ref_mask) in zip(fn._encode_rendered(rendered), _offset_path(fn, rendered)):
+            assert np.array_equal(ids, ref_ids) and np.array_equal(mask, ref_mask)
+
+    def test_text_changed_by_a_normalizer_falls_back_to_offsets(self, qwen_tokenizer):
+        tok = copy.deepcopy(qwen_tokenizer)
+        tok.backend_tokenizer.normalizer = normalizers.NFC()
+        fn = ChatTokenizeFn(tok, template="qwen3")
+        row = {
+            "messages": [{"role": "user", "content": "cafe\u0301?"}, {"role": "assistant", "content": "cafe\u0301!"}]
+        }
+        rendered = fn.render(row)
+        ids = np.asarray(fn._backend.encode_batch_fast([rendered.text], add_special_tokens=False)[0].ids)
+        assert fn._byte_table().span_arrays(ids, rendered.text, rendered.loss_spans) is None
+        (got,), (ref,) = fn._encode_rendered([rendered]), _offset_path(fn, [rendered])
+        assert np.array_equal(got[0], ref[0]) and np.array_equal(got[1], ref[1]) and got[1].any()
+
+    def test_only_plain_byte_level_bpe_gets_a_table(self, qwen_tokenizer):
+        assert TokenBytes.from_tokenizer(qwen_tokenizer.backend_tokenizer) is not None
+        lowercase = copy.deepcopy(qwen_tokenizer).backend_tokenizer
+        lowercase.normalizer = normalizers.Lowercase()
+        assert TokenBytes.from_tokenizer(lowercase) is None
+        word_level = Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]"))
+        word_level.pre_tokenizer = pre_tokenizers.Whitespace()
+        assert TokenBytes.from_tokenizer(word_level) is None

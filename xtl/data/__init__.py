@@ -13,9 +13,19 @@ from xtl.data.collate import MicroBatch, StepCollator, collate_pack
 from xtl.data.dataset import MixedDataset
 from xtl.data.item import IGNORE_INDEX, DataError, DataFileNotFoundError, DataItem
 from xtl.data.loader import ResumableDataLoader
-from xtl.data.packing import Pack, PackedDataset, PackPlan, best_fit_pack, hard_pack, preset_pack
+from xtl.data.packing import (
+    Pack,
+    PackedDataset,
+    PackPlan,
+    best_fit_pack,
+    hard_pack,
+    load_plan,
+    plan_fingerprint,
+    preset_pack,
+    save_plan,
+)
 from xtl.data.sampler import EvalStepSampler, RankSteps, StepSampler, load_preset_order
-from xtl.data.sources import HFSource, JsonlSource, Source, SourceSpec, hash_file, open_source
+from xtl.data.sources import FileHashMemo, HFSource, JsonlSource, Source, SourceSpec, hash_file, open_source
 from xtl.data.templates import TEMPLATES, ChatTemplate, Rendered, get_template
 from xtl.data.tiny import build_bpe_tokenizer, tiny_assets_dir
 from xtl.data.tokenize import (
@@ -39,6 +49,7 @@ __all__ = [
     "DataFileNotFoundError",
     "DataItem",
     "EvalStepSampler",
+    "FileHashMemo",
     "HFSource",
     "JsonlSource",
     "MicroBatch",
@@ -67,9 +78,12 @@ __all__ = [
     "hard_pack",
     "hash_file",
     "load_cache",
+    "load_plan",
     "load_preset_order",
     "open_source",
+    "plan_fingerprint",
     "preset_pack",
+    "save_plan",
     "tiny_assets_dir",
     "tokenizer_fingerprint",
 ]

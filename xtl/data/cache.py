@@ -52,6 +52,16 @@ class TokenizedCache:
     def __len__(self) -> int:
         return len(self.offsets) - 1
 
+    def __getstate__(self) -> dict[str, Any]:
+        # Pickled by path (a spawned loader worker maps the files again) instead of copying every token.
+        return {"directory": str(self.directory), "name": self.meta.get("name", self.directory.name)}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        entry = _load_entry(Path(state["directory"]), state["name"])
+        if entry is None:
+            raise DataError(f"cache entry {state['directory']} disappeared or is incomplete; rebuild it")
+        self.__dict__.update(entry.__dict__)
+
     @property
     def num_tokens(self) -> np.ndarray:
         """Tokens per sample, int64."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -34,16 +34,19 @@ class MicroBatch:
     num_real_tokens: int
     pack_index: int = -1
 
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> MicroBatch:
-        """Move tensors to ``device`` (Lightning's batch transfer calls this).
+    def to(self, device: torch.device | str, non_blocking: bool | None = None) -> MicroBatch:
+        """Move tensors to ``device`` (Lightning's batch transfer calls this, without ``non_blocking``).
 
         Args:
             device (torch.device | str): Target device.
-            non_blocking (bool): Asynchronous copy where possible.
+            non_blocking (bool | None): Asynchronous copy where possible; ``None``: when the batch is in pinned
+                memory (a loader with ``pin_memory``), so the copy overlaps the step that is still running.
 
         Returns:
             MicroBatch: A moved copy.
         """
+        if non_blocking is None:
+            non_blocking = self.labels.is_pinned()
         seq_ctx = self.seq_ctx.to(device)
         if seq_ctx.extras:  # images of a vision pack (pixel_values, image_grid_thw)
             seq_ctx.extras = {
@@ -57,6 +60,27 @@ class MicroBatch:
             self.num_real_tokens,
             self.pack_index,
         )
+
+    def pin_memory(self) -> MicroBatch:
+        """A copy in page-locked host memory (a loader with ``pin_memory=True`` calls this in its pinning thread).
+
+        Returns:
+            MicroBatch: The pinned copy; host-side ``doc_bounds`` and counts are kept.
+        """
+
+        def pin(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.pin_memory()
+
+        ctx = self.seq_ctx
+        seq_ctx = replace(
+            ctx,
+            input_ids=pin(ctx.input_ids),
+            cu_seq_lens=pin(ctx.cu_seq_lens),
+            position_ids=pin(ctx.position_ids),
+            inputs_embeds=pin(ctx.inputs_embeds),
+            extras={k: pin(v) if isinstance(v, torch.Tensor) else v for k, v in ctx.extras.items()},
+        )
+        return replace(self, seq_ctx=seq_ctx, labels=self.labels.pin_memory())
 
 
 class StepCollator:

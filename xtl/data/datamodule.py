@@ -11,7 +11,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from xtl.data.cache import DEFAULT_CACHE_DIR, build_cache
+from xtl.data.cache import DEFAULT_CACHE_DIR, TokenizedCache, build_cache
 from xtl.data.collate import StepCollator
 from xtl.data.dataset import MixedDataset
 from xtl.data.item import DataError
@@ -23,10 +23,13 @@ from xtl.data.packing import (
     PackPlan,
     best_fit_pack,
     hard_pack,
+    load_plan,
+    plan_fingerprint,
     preset_pack,
+    save_plan,
 )
 from xtl.data.sampler import EvalStepSampler, RankSteps, SamplerOrder, StepSampler
-from xtl.data.sources import SourceSpec, open_source
+from xtl.data.sources import FileHashMemo, SourceSpec, open_source
 from xtl.data.tokenize import build_tokenize_fn
 from xtl.utils import resolve_path, resolve_pretrained
 
@@ -58,8 +61,11 @@ class XTLDataModule(pl.LightningDataModule):
         packing (str): ``best_fit`` (SFT, samples never split), ``hard`` (pretraining stream cut) or ``preset``.
         micro_batches_per_step (int): Packs per rank per optimizer step.
         seed (int): Seed of mixing, packing and sampling.
-        num_workers (int): DataLoader worker processes.
-        cache_dir (str | None): Tokenization cache root (default ``~/.cache/xtl/tokenized``).
+        num_workers (int | None): DataLoader worker processes per loader. ``None`` (default): 2 when training on
+            CUDA, so reading and collating the next packs overlaps the step; 0 otherwise (on CPU the workers compete
+            with the step for the same cores and only add start-up and transfer cost). Raise it for image data.
+        cache_dir (str | None): Cache root (default ``~/.cache/xtl/tokenized``): tokenized entries, pack plans
+            (``plans/``) and remembered source hashes (``fingerprints/``).
         val_sources (dict[str, list[SourceSpec]] | None): Named validation sets.
         sampler (str): ``random``, ``length_grouped`` or ``preset``.
         pack_preset (str | None): ``.npy`` pack table for ``packing: preset``.
@@ -82,6 +88,18 @@ class XTLDataModule(pl.LightningDataModule):
         image_processor (dict | None): Image settings (:class:`xtl.data.multimodal.ImageProcessorConfig` fields:
             ``patch_size``, ``merge_size``, ``min_pixels``, ``max_pixels``, ...). When set, ``kind: chat`` sources
             may hold image content parts (``docs/data.md``, "Images").
+        persistent_workers (bool): With workers, keep them alive between epochs and validation runs instead of
+            forking new ones each time. Resume is unaffected: the loader saves the packs handed to the step
+            (``consumed_samples``), never what the workers prefetched.
+        prefetch_factor (int | None): With workers, step batches each worker prepares ahead (``None``: PyTorch's
+            default, 2).
+        pin_memory (bool | None): Collate into page-locked host memory, so the host-to-device copy of a batch is
+            asynchronous (``MicroBatch.to`` then copies with ``non_blocking``). ``None`` (default): on when
+            training on CUDA.
+
+    Warm starts are cheap: a source's content hash is remembered by stat signature and sampled blocks
+    (:class:`xtl.data.sources.FileHashMemo`) and the pack plan is stored under ``cache_dir/plans`` keyed by every
+    input that changes it (cache entries, sample ratios, seed, packing, ``pack_max_length``, ``overlong``, code).
     """
 
     def __init__(
@@ -93,7 +111,7 @@ class XTLDataModule(pl.LightningDataModule):
         packing: PackingMode = "best_fit",
         micro_batches_per_step: int = 1,
         seed: int = 0,
-        num_workers: int = 0,
+        num_workers: int | None = None,
         cache_dir: str | None = None,
         val_sources: dict[str, list[SourceSpec]] | None = None,
         sampler: SamplerOrder = "random",
@@ -113,10 +131,17 @@ class XTLDataModule(pl.LightningDataModule):
         predict_batch_size: int = 8,
         predict_output: str | None = None,
         image_processor: dict[str, Any] | None = None,
+        persistent_workers: bool = True,
+        prefetch_factor: int | None = None,
+        pin_memory: bool | None = None,
     ) -> None:
         super().__init__()
         if not sources:
             raise DataError("XTLDataModule needs at least one training source")
+        if num_workers is not None and num_workers < 0:
+            raise DataError(f"num_workers must be >= 0 (or null for the default), got {num_workers}")
+        if prefetch_factor is not None and prefetch_factor < 1:
+            raise DataError(f"prefetch_factor must be >= 1 (or null for the default), got {prefetch_factor}")
         self.sources = [_as_spec(s) for s in sources]
         self.tokenizer_path = tokenizer
         self.template = template
@@ -125,7 +150,12 @@ class XTLDataModule(pl.LightningDataModule):
         self.micro_batches_per_step = micro_batches_per_step
         self.seed = seed
         self.num_workers = num_workers
+        self.persistent_workers = persistent_workers
+        self.prefetch_factor = prefetch_factor
+        self.pin_memory = pin_memory
         self.cache_dir = Path(cache_dir).expanduser() if cache_dir else DEFAULT_CACHE_DIR.expanduser()
+        self._hash_memo = FileHashMemo(self.cache_dir / "fingerprints")
+        self._caches: dict[str, TokenizedCache] = {}
         self.val_sources = {k: [_as_spec(s) for s in v] for k, v in (val_sources or {}).items()}
         self.test_sources = {k: [_as_spec(s) for s in v] for k, v in (test_sources or {}).items()}
         if predict_batch_size < 1:
@@ -207,7 +237,7 @@ class XTLDataModule(pl.LightningDataModule):
             sources = ", ".join(_resolve(spec.path) for spec in self.sources)
             raise DataError(f"training sources {sources}: {err}") from None
         self._train_loader = ResumableDataLoader(
-            self.train_split.packs, sampler, self._collator(), num_workers=self.num_workers
+            self.train_split.packs, sampler, self._collator(), **self.loader_kwargs()
         )
         return self._train_loader
 
@@ -294,6 +324,23 @@ class XTLDataModule(pl.LightningDataModule):
         """Names of the test sets, in ``dataloader_idx`` order."""
         return list(self.test_sources)
 
+    def loader_kwargs(self) -> dict[str, Any]:
+        """The worker and memory settings every loader of this module gets (defaults resolved).
+
+        Returns:
+            dict: ``num_workers``, ``persistent_workers``, ``pin_memory`` and, with workers, ``prefetch_factor``.
+        """
+        on_cuda = self._on_cuda()
+        workers = self.num_workers if self.num_workers is not None else (2 if on_cuda else 0)
+        kwargs: dict[str, Any] = {
+            "num_workers": workers,
+            "persistent_workers": self.persistent_workers and workers > 0,
+            "pin_memory": on_cuda if self.pin_memory is None else self.pin_memory,
+        }
+        if workers > 0 and self.prefetch_factor is not None:
+            kwargs["prefetch_factor"] = self.prefetch_factor
+        return kwargs
+
     def data_parallel_rank(self) -> tuple[int, int]:
         """``(rank, world_size)`` of data parallelism: explicit overrides, the trainer's strategy, torch.distributed.
 
@@ -329,9 +376,27 @@ class XTLDataModule(pl.LightningDataModule):
 
     # -- private ---------------------------------------------------------------------------------------------------
 
-    def _cache(self, spec: SourceSpec):
+    def _on_cuda(self) -> bool:
+        trainer = self.trainer
+        if trainer is None:
+            return False
+        try:
+            return trainer.strategy.root_device.type == "cuda"
+        except (AttributeError, RuntimeError):
+            return False
+
+    def _cache(self, spec: SourceSpec) -> TokenizedCache:
+        resolved = _resolved_spec(spec)
+        memo_key = repr(replace(resolved, sample_ratio=1.0, name=None))  # what prepare_data and setup share
+        if memo_key in self._caches:
+            return self._caches[memo_key]
+        cache = self._build_cache(spec, resolved)
+        self._caches[memo_key] = cache
+        return cache
+
+    def _build_cache(self, spec: SourceSpec, resolved: SourceSpec) -> TokenizedCache:
         tokenizer = self.load_tokenizer()
-        source = open_source(_resolved_spec(spec), hf_cache_dir=self.cache_dir / "hf")
+        source = open_source(resolved, hf_cache_dir=self.cache_dir / "hf", hash_memo=self._hash_memo)
         kind = "vlm_chat" if self.image_processor is not None and spec.kind == "chat" else spec.kind
         fn = build_tokenize_fn(
             kind,
@@ -361,20 +426,48 @@ class XTLDataModule(pl.LightningDataModule):
                     "add data or remove it from the sources"
                 )
         data = MixedDataset(caches, [s.sample_ratio for s in specs], self.seed, [s.display_name for s in specs])
-        if packing == "hard":
-            plan = hard_pack(data.num_tokens, self.pack_max_length, self.seed)
-        elif packing == "best_fit":
-            plan = best_fit_pack(data.num_tokens, self.pack_max_length, self.seed, self.overlong)
-        elif packing == "preset":
+        if packing == "preset":
             if preset is None:
                 raise DataError("packing 'preset' needs `pack_preset`: a .npy table of (pack, sample, start, end)")
             plan = preset_pack(_resolve(preset), data.num_tokens, self.pack_max_length)
+        elif packing in ("hard", "best_fit"):
+            plan = self._stored_plan(caches, specs, data, packing)
         else:
             raise DataError(f"unknown packing {packing!r}; use best_fit, hard or preset")
         packs = PackedDataset(data, plan)
         if self.image_processor is not None:
             packs = self._vision_packs(packs, caches)
         return PackedSplit(data, plan, packs)
+
+    def _stored_plan(
+        self, caches: list[TokenizedCache], specs: list[SourceSpec], data: MixedDataset, packing: str
+    ) -> PackPlan:
+        """The ``hard`` / ``best_fit`` plan, read from ``cache_dir/plans`` when its inputs are unchanged."""
+        parts = {
+            "caches": [c.directory.name for c in caches],  # source content, tokenizer, tokenize fn and its arguments
+            "sample_ratios": [float(s.sample_ratio) for s in specs],
+            "seed": self.seed,
+            "packing": packing,
+            "pack_max_length": self.pack_max_length,
+            "overlong": self.overlong if packing == "best_fit" else None,
+            "num_samples": len(data),
+            "num_tokens": int(data.num_tokens.sum()),
+        }
+        key = plan_fingerprint(parts)
+        path = self.cache_dir / "plans" / f"{packing}-{self.pack_max_length}-{key[:20]}.npz"
+        plan = load_plan(path, key)
+        if plan is not None:
+            log.info("xtl data: pack plan loaded from %s", path)
+            return plan
+        if packing == "hard":
+            plan = hard_pack(data.num_tokens, self.pack_max_length, self.seed)
+        else:
+            plan = best_fit_pack(data.num_tokens, self.pack_max_length, self.seed, self.overlong)
+        try:
+            save_plan(plan, path, key)
+        except OSError as err:  # a read-only cache folder: pack again next time
+            log.warning("xtl data: cannot store the pack plan in %s (%s)", path, err)
+        return plan
 
     def _vision_packs(self, packs: PackedDataset, caches: list[Any]) -> Any:
         from xtl.data.multimodal import IMAGE_TOKEN, ImageProcessorConfig, SampleImages, VisionPackedDataset
@@ -395,7 +488,7 @@ class XTLDataModule(pl.LightningDataModule):
                     batch_size=None,
                     sampler=EvalStepSampler(len(steps)),
                     collate_fn=collate,
-                    num_workers=self.num_workers,
+                    **self.loader_kwargs(),
                 )
             )
         return loaders

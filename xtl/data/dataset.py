@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from xtl.data.cache import TokenizedCache
-from xtl.data.item import DataError, DataItem
+from xtl.data.item import IGNORE_INDEX, DataError, DataItem
 
 
 class MixedDataset:
@@ -50,6 +50,12 @@ class MixedDataset:
             if caches
             else np.zeros(0, dtype=np.int64)
         ).astype(np.int64)
+        # Where every mixed sample starts in the flat token arrays of its cache (for one-gather pack reads).
+        self.token_base = (
+            np.concatenate([np.asarray(c.offsets[:-1])[s] for c, s in zip(caches, sample_ids)])
+            if caches
+            else np.zeros(0, dtype=np.int64)
+        ).astype(np.int64)
 
     def __len__(self) -> int:
         return len(self.sample_ids)
@@ -69,6 +75,43 @@ class MixedDataset:
             tuple[np.ndarray, np.ndarray]: int64 ids and labels.
         """
         return self.caches[int(self.source_ids[index])].tokens(int(self.sample_ids[index]), start, end)
+
+    def gather(
+        self, samples: np.ndarray, starts: np.ndarray, ends: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Token ranges of several mixed samples laid end to end, read with one gather per source.
+
+        Args:
+            samples (np.ndarray): Mixed sample index of every range.
+            starts (np.ndarray): First token of every range within its sample.
+            ends (np.ndarray): One past the last token of every range.
+
+        Returns:
+            tuple[np.ndarray, np.ndarray, np.ndarray]: int64 ids and unshifted labels of all ranges back to back,
+            and the int64 length of every range.
+        """
+        samples = np.asarray(samples, dtype=np.int64)
+        lengths = np.asarray(ends, dtype=np.int64) - np.asarray(starts, dtype=np.int64)
+        total = int(lengths.sum())
+        if total == 0:
+            empty = np.zeros(0, dtype=np.int64)
+            return empty, empty.copy(), lengths
+        # index of output token t in its cache = first token of its range + (t - where the range begins in the output)
+        first = self.token_base[samples] + starts
+        index = np.repeat(first - (np.cumsum(lengths) - lengths), lengths) + np.arange(total)
+        sources = self.source_ids[samples]
+        if (sources == sources[0]).all():
+            cache = self.caches[int(sources[0])]
+            ids = np.asarray(cache.input_ids)[index].astype(np.int64)
+            mask = np.asarray(cache.loss_mask)[index].astype(bool)
+        else:
+            ids, mask = np.empty(total, dtype=np.int64), np.empty(total, dtype=bool)
+            token_source = np.repeat(sources, lengths)
+            for k in np.unique(sources).tolist():
+                sel = token_source == k
+                ids[sel] = np.asarray(self.caches[k].input_ids)[index[sel]]
+                mask[sel] = np.asarray(self.caches[k].loss_mask)[index[sel]]
+        return ids, np.where(mask, ids, IGNORE_INDEX), lengths
 
     def summary(self) -> list[dict[str, int | str]]:
         """Per-source sample and token counts in the mix.

@@ -16,15 +16,20 @@ class ResumableDataLoader(DataLoader):
     """Yields this rank's step batches (``list[MicroBatch]``) and counts what the consumer has taken.
 
     ``consumed_samples`` advances when a batch is handed out, not when workers prefetch it, so ``state_dict()``
-    taken after step N resumes at step N+1. Lightning sees ``state_dict``/``load_state_dict`` and stores the state
-    in its checkpoint (``loops.fit_loop.state_dict.combined_loader``).
+    taken after step N resumes at step N+1, with or without (persistent) workers: the sampler is iterated in the
+    main process and re-read from ``consumed_samples`` whenever an iteration starts, and an abandoned iteration's
+    prefetched batches are discarded. Lightning sees ``state_dict``/``load_state_dict`` and stores the state in its
+    checkpoint (``loops.fit_loop.state_dict.combined_loader``).
 
     Args:
         dataset (Any): Map-style dataset of packs.
         sampler (StepSampler): Step sampler of this rank.
         collate_fn (StepCollator): Packs to micro-batches.
-        num_workers (int): Loader worker processes.
-        **kwargs: Other ``DataLoader`` arguments (``pin_memory``, ``prefetch_factor``, ...).
+        num_workers (int): Loader worker processes (0: read and collate in the main process).
+        persistent_workers (bool): Keep the workers between iterations (ignored without workers).
+        prefetch_factor (int | None): Step batches each worker prepares ahead (ignored without workers).
+        pin_memory (bool): Collate into page-locked memory for asynchronous host-to-device copies.
+        **kwargs: Other ``DataLoader`` arguments (``multiprocessing_context``, ``timeout``, ...).
     """
 
     def __init__(
@@ -33,8 +38,15 @@ class ResumableDataLoader(DataLoader):
         sampler: StepSampler,
         collate_fn: StepCollator,
         num_workers: int = 0,
+        persistent_workers: bool = False,
+        prefetch_factor: int | None = None,
+        pin_memory: bool = False,
         **kwargs: Any,
     ) -> None:
+        if num_workers > 0:
+            kwargs["persistent_workers"] = persistent_workers
+            if prefetch_factor is not None:
+                kwargs["prefetch_factor"] = prefetch_factor
         super().__init__(
             dataset,
             batch_size=sampler.micro_batches,
@@ -42,6 +54,7 @@ class ResumableDataLoader(DataLoader):
             drop_last=True,
             collate_fn=collate_fn,
             num_workers=num_workers,
+            pin_memory=pin_memory,
             **kwargs,
         )
         self.step_sampler = sampler

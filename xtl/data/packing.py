@@ -8,16 +8,27 @@ one document of its pack, so attention and position ids restart at segment bound
 - ``best_fit_pack``: best-fit decreasing, never splitting a sample (SFT); overlong samples are truncated, dropped
   or rejected by policy and counted.
 - ``preset_pack``: a user ``.npy`` table of ``(pack, sample, start, end)`` rows, validated.
+
+``save_plan`` / ``load_plan`` store a plan as one ``.npz`` (written under a temporary name, then renamed) checked
+against ``plan_fingerprint`` of its inputs, so a warm start reads the plan instead of packing again.
+``PackedDataset`` reads a pack with one gather from the memory-mapped caches, however many documents it holds.
 """
 
 from __future__ import annotations
 
 import bisect
+import inspect
+import json
+import os
+import sys
+import tempfile
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
+import xxhash
 
 from xtl.data.dataset import MixedDataset
 from xtl.data.item import DataError, DataFileNotFoundError
@@ -48,12 +59,10 @@ class PackPlan:
         Returns:
             np.ndarray: int64 ``(num_packs,)``.
         """
-        seg_len = self.seg_end - self.seg_start
-        sums = np.zeros(len(self), dtype=np.int64)
-        if len(seg_len):
-            pack_of_seg = np.repeat(np.arange(len(self)), np.diff(self.pack_offsets))
-            np.add.at(sums, pack_of_seg, seg_len)
-        return sums
+        cumulative = np.zeros(len(self.seg_start) + 1, dtype=np.int64)
+        np.cumsum(self.seg_end - self.seg_start, out=cumulative[1:])
+        offsets = np.asarray(self.pack_offsets, dtype=np.int64)
+        return cumulative[offsets[1:]] - cumulative[offsets[:-1]]
 
     def fill_ratio(self) -> float:
         """Share of non-padding tokens when every pack is padded to ``pack_max_length``.
@@ -110,17 +119,8 @@ class PackedDataset:
     def __getitem__(self, index: int) -> Pack:
         plan = self.plan
         a, b = int(plan.pack_offsets[index]), int(plan.pack_offsets[index + 1])
-        ids, labels, lengths = [], [], []
-        for s in range(a, b):
-            seg_ids, seg_labels = self.data.tokens(
-                int(plan.seg_sample[s]), int(plan.seg_start[s]), int(plan.seg_end[s])
-            )
-            ids.append(seg_ids)
-            labels.append(seg_labels)
-            lengths.append(len(seg_ids))
-        if not ids:
-            return Pack(index, np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), [])
-        return Pack(index, np.concatenate(ids), np.concatenate(labels), lengths)
+        ids, labels, lengths = self.data.gather(plan.seg_sample[a:b], plan.seg_start[a:b], plan.seg_end[a:b])
+        return Pack(index, ids, labels, lengths.tolist())
 
 
 def hard_pack(num_tokens: np.ndarray, pack_max_length: int, seed: int = 0, shuffle: bool = True) -> PackPlan:
@@ -274,6 +274,97 @@ def preset_pack(path: str | Path, num_tokens: np.ndarray, pack_max_length: int) 
     if len(over):
         raise DataError(f"{where}: pack {int(over[0])} holds more than pack_max_length={pack_max_length} tokens")
     return plan
+
+
+PLAN_VERSION = 1
+_PLAN_ARRAYS = ("pack_offsets", "seg_sample", "seg_start", "seg_end")
+
+
+def plan_fingerprint(parts: dict[str, Any]) -> str:
+    """Hash of everything a pack plan depends on: ``parts`` plus the code of packing and mixing.
+
+    Args:
+        parts (dict): JSON-serializable inputs (cache entries, ratios, seed, packing mode, pack length, ...).
+
+    Returns:
+        str: Hex digest.
+    """
+    import xtl.data.dataset as dataset_module
+
+    h = xxhash.xxh3_128()
+    h.update(str(PLAN_VERSION).encode())
+    for module in (sys.modules[__name__], dataset_module):
+        try:
+            h.update(inspect.getsource(module).encode())
+        except (OSError, TypeError):
+            h.update(module.__name__.encode())
+    h.update(json.dumps(parts, sort_keys=True, default=str).encode())
+    return h.hexdigest()
+
+
+def save_plan(plan: PackPlan, path: str | Path, key: str) -> None:
+    """Write a plan as one ``.npz`` file, atomically (a temporary name in the same folder, then a rename).
+
+    Args:
+        plan (PackPlan): The plan.
+        path (str | Path): Target file.
+        key (str): :func:`plan_fingerprint` of its inputs, checked again by :func:`load_plan`.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "version": PLAN_VERSION,
+        "key": key,
+        "pack_max_length": plan.pack_max_length,
+        "num_dropped": plan.num_dropped,
+        "num_truncated": plan.num_truncated,
+        "truncated_tokens": plan.truncated_tokens,
+    }
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, meta=np.array(json.dumps(meta)), **{name: getattr(plan, name) for name in _PLAN_ARRAYS})
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def load_plan(path: str | Path, key: str) -> PackPlan | None:
+    """Read a plan written by :func:`save_plan` if it exists, is complete and was made from the same inputs.
+
+    Args:
+        path (str | Path): The ``.npz`` file.
+        key (str): Expected :func:`plan_fingerprint`.
+
+    Returns:
+        PackPlan | None: The plan, or ``None`` (missing, unreadable, or for other inputs).
+    """
+    try:
+        with np.load(Path(path), allow_pickle=False) as f:
+            meta = json.loads(str(f["meta"]))
+            if meta.get("version") != PLAN_VERSION or meta.get("key") != key:
+                return None
+            arrays = {name: np.asarray(f[name], dtype=np.int64) for name in _PLAN_ARRAYS}
+    except (OSError, ValueError, KeyError, zipfile.BadZipFile, json.JSONDecodeError):
+        return None
+    offsets = arrays["pack_offsets"]
+    segments = len(arrays["seg_sample"])
+    if (
+        not len(offsets)
+        or offsets[0] != 0
+        or offsets[-1] != segments
+        or len(arrays["seg_start"]) != segments
+        or len(arrays["seg_end"]) != segments
+    ):
+        return None
+    return PackPlan(
+        int(meta["pack_max_length"]),
+        num_dropped=int(meta["num_dropped"]),
+        num_truncated=int(meta["num_truncated"]),
+        truncated_tokens=int(meta["truncated_tokens"]),
+        **arrays,
+    )
 
 
 def _check_length(pack_max_length: int) -> None:

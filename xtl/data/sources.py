@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -17,12 +18,14 @@ import numpy as np
 import xxhash
 
 from xtl.data.item import DataError, DataFileNotFoundError
+from xtl.utils import atomic_write_bytes
 
 SourceFormat = Literal["auto", "jsonl", "hf_disk", "parquet", "json"]
 SourceKind = Literal["chat", "text"]
 
 _SCAN_CHUNK = 64 << 20
 _HASH_CHUNK = 8 << 20
+_SAMPLE_BLOCK = 64 << 10
 
 
 @dataclass
@@ -84,10 +87,13 @@ class JsonlSource:
 
     Args:
         path (str | Path): The ``.jsonl`` file.
+        hash_memo (FileHashMemo | None): Remembers the content hash between runs (see :class:`FileHashMemo`);
+            ``None`` hashes the whole file on every start.
     """
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, hash_memo: FileHashMemo | None = None) -> None:
         self.path = Path(path)
+        self.hash_memo = hash_memo
         _require_exists(self.path)
         if not self.path.is_file():
             raise DataError(f"JSONL source {self.path} is not a file; point `path` at a .jsonl file")
@@ -116,7 +122,7 @@ class JsonlSource:
             str: Hex digest.
         """
         if self._fingerprint is None:
-            self._fingerprint = hash_file(self.path)
+            self._fingerprint = _hash(self.path, self.hash_memo)
         return self._fingerprint
 
     def rows(self, start: int, stop: int) -> list[dict[str, Any] | None]:
@@ -212,6 +218,7 @@ class HFSource:
         format (str): ``"hf_disk"``, ``"parquet"`` or ``"json"``.
         split (str | None): Split of a ``DatasetDict``.
         cache_dir (str | Path | None): Where ``datasets`` keeps its Arrow conversion of parquet/json files.
+        hash_memo (FileHashMemo | None): Remembers the content hash of every file between runs.
     """
 
     def __init__(
@@ -220,10 +227,12 @@ class HFSource:
         format: Literal["hf_disk", "parquet", "json"],
         split: str | None = None,
         cache_dir: str | Path | None = None,
+        hash_memo: FileHashMemo | None = None,
     ) -> None:
         import datasets
 
         self.path = Path(path)
+        self.hash_memo = hash_memo
         _require_exists(self.path)
         self.format = format
         if format == "hf_disk":
@@ -259,7 +268,7 @@ class HFSource:
             h = xxhash.xxh3_128()
             for f in files:
                 h.update(str(f.relative_to(self.path) if self.path.is_dir() else f.name).encode())
-                h.update(hash_file(f).encode())
+                h.update(_hash(f, self.hash_memo).encode())
             self._fingerprint = h.hexdigest()
         return self._fingerprint
 
@@ -289,12 +298,15 @@ class HFSource:
         return f"{self.path}[row {index}]"
 
 
-def open_source(spec: SourceSpec, hf_cache_dir: str | Path | None = None) -> Source:
+def open_source(
+    spec: SourceSpec, hf_cache_dir: str | Path | None = None, hash_memo: FileHashMemo | None = None
+) -> Source:
     """Open the raw source a spec describes.
 
     Args:
         spec (SourceSpec): The source.
         hf_cache_dir (str | Path | None): Arrow cache for parquet/json conversion.
+        hash_memo (FileHashMemo | None): Remembers file content hashes between runs.
 
     Returns:
         Source: A ``JsonlSource`` or ``HFSource``.
@@ -303,8 +315,90 @@ def open_source(spec: SourceSpec, hf_cache_dir: str | Path | None = None) -> Sou
     _require_exists(path)
     fmt = spec.format if spec.format != "auto" else _detect_format(path)
     if fmt == "jsonl":
-        return JsonlSource(path)
-    return HFSource(path, fmt, split=spec.split, cache_dir=hf_cache_dir)
+        return JsonlSource(path, hash_memo=hash_memo)
+    return HFSource(path, fmt, split=spec.split, cache_dir=hf_cache_dir, hash_memo=hash_memo)
+
+
+class FileHashMemo:
+    """Content hashes of source files, remembered so that a warm start does not read every file again.
+
+    The fingerprint of a file is always its full xxh3-128 content hash; this only decides when to recompute it.
+    Rule: a remembered hash is reused when the file's stat signature (size, ``mtime_ns``, ``ctime_ns``, inode) is
+    the one recorded with it *and* the xxh3 hash of three sampled blocks (the first, middle and last 64 KiB) still
+    matches. Anything else (an edit, ``touch``, a copy or move onto the path, a restored mtime: ``ctime`` still
+    moves) re-hashes the whole file; equal content then gives the same fingerprint, so the tokenization cache still
+    hits. A file changed (``ctime``) less than ``settle_seconds`` before it was hashed is not remembered, since a
+    second write within the file system's timestamp granularity could leave its signature unchanged.
+
+    Records are small JSON files, one per path, written atomically under ``directory``.
+
+    Args:
+        directory (str | Path): Where the records live (``<cache_dir>/fingerprints`` for the DataModule).
+        settle_seconds (float): Minimum age of the last change before a hash is remembered.
+    """
+
+    def __init__(self, directory: str | Path, settle_seconds: float = 2.0) -> None:
+        self.directory = Path(directory).expanduser()
+        self.settle_seconds = settle_seconds
+        self.full_hashes = 0  # files read in full by this memo (for tests and logs)
+
+    def hash(self, path: str | Path) -> str:
+        """The content hash of ``path`` (xxh3-128 hex), from the record when the rule allows.
+
+        Args:
+            path (str | Path): The file.
+
+        Returns:
+            str: Hex digest, equal to :func:`hash_file`.
+        """
+        path = Path(path).resolve()
+        before = _signature(path)
+        record_path = self.directory / f"{xxhash.xxh3_64_hexdigest(str(path).encode())}.json"
+        sampled = sample_hash(path, before[0])
+        try:
+            record = json.loads(record_path.read_text())
+        except (OSError, ValueError):
+            record = None
+        if (
+            isinstance(record, dict)
+            and record.get("path") == str(path)
+            and record.get("stat") == before
+            and record.get("sampled") == sampled
+        ):
+            return str(record["hash"])
+        digest = hash_file(path)
+        self.full_hashes += 1
+        after = _signature(path)
+        settled = time.time_ns() - after[2] >= self.settle_seconds * 1e9  # ctime: the kernel's time of any change
+        if after == before and settled:
+            record = {"path": str(path), "stat": after, "sampled": sampled, "hash": digest}
+            try:
+                atomic_write_bytes(record_path, json.dumps(record).encode())
+            except OSError:  # a read-only cache folder only costs the next start a full hash
+                pass
+        return digest
+
+
+def sample_hash(path: str | Path, size: int | None = None) -> str:
+    """xxh3-128 of the size and of three sampled blocks: the first, middle and last 64 KiB (the whole of a small file).
+
+    Args:
+        path (str | Path): The file.
+        size (int | None): Its size, if already known.
+
+    Returns:
+        str: Hex digest.
+    """
+    size = Path(path).stat().st_size if size is None else size
+    h = xxhash.xxh3_128(str(size).encode())
+    with Path(path).open("rb") as f:
+        if size <= 3 * _SAMPLE_BLOCK:
+            h.update(f.read())
+        else:
+            for offset in (0, (size - _SAMPLE_BLOCK) // 2, size - _SAMPLE_BLOCK):
+                f.seek(offset)
+                h.update(f.read(_SAMPLE_BLOCK))
+    return h.hexdigest()
 
 
 def hash_file(path: str | Path) -> str:
@@ -321,6 +415,15 @@ def hash_file(path: str | Path) -> str:
         while chunk := f.read(_HASH_CHUNK):
             h.update(chunk)
     return h.hexdigest()
+
+
+def _signature(path: Path) -> list[int]:
+    st = path.stat()
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+
+
+def _hash(path: Path, memo: FileHashMemo | None) -> str:
+    return hash_file(path) if memo is None else memo.hash(path)
 
 
 def _require_exists(path: Path) -> None:

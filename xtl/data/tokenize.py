@@ -47,11 +47,34 @@ class TokenizeFn(ABC):
                 f"{type(tokenizer).__name__} is not a fast tokenizer; xtl needs a tokenizer.json (Rust tokenizers)"
             )
         self.tokenizer = tokenizer
-        # A clone without post-processor: same ids with add_special_tokens=False, and untrimmed offsets.
-        self._backend = Tokenizer.from_str(backend.to_str())
-        self._backend.post_processor = None
-        self._backend.no_truncation()
-        self._backend.no_padding()
+        self._backend_clone: Tokenizer | None = None
+        self._token_bytes: TokenBytes | None | bool = False  # False: not built yet; None: not a byte-level BPE
+
+    @property
+    def _backend(self) -> Tokenizer:
+        """A clone without post-processor (same ids with ``add_special_tokens=False``, untrimmed offsets).
+
+        Built on first use, so a warm start (which only fingerprints the function) never copies a large vocabulary.
+        """
+        if self._backend_clone is None:
+            clone = Tokenizer.from_str(self.tokenizer.backend_tokenizer.to_str())
+            clone.post_processor = None
+            clone.no_truncation()
+            clone.no_padding()
+            self._backend_clone = clone
+        return self._backend_clone
+
+    def _byte_table(self) -> TokenBytes | None:
+        """The per-id byte table of a byte-level BPE (``None`` for other tokenizers), built on first use."""
+        if self._token_bytes is False:
+            self._token_bytes = TokenBytes.from_tokenizer(self._backend)
+        return self._token_bytes  # type: ignore[return-value]
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_backend_clone"] = None  # rebuilt in the receiving process
+        state["_token_bytes"] = False
+        return state
 
     def __call__(self, row: dict[str, Any], location: str = "<row>") -> list[DataItem]:
         """Tokenize one row.
@@ -295,18 +318,36 @@ class ChatTokenizeFn(TokenizeFn):
         if self.template is None:
             return arrays_to_item(*self._hf_arrays(row, location, add_generation_prompt))
         rendered = self.render(row, location, add_generation_prompt)
-        enc = self._backend.encode(rendered.text, add_special_tokens=False)
-        return arrays_to_item(*_span_arrays(enc, rendered.loss_spans))
+        return arrays_to_item(*self._encode_rendered([rendered])[0])
 
     def batch_arrays(self, rows: list[dict[str, Any] | None], locate: Locator) -> list[list[SampleArrays]]:
         if self.template is None:
             return [[] if row is None else [self._hf_arrays(row, locate(i))] for i, row in enumerate(rows)]
         kept = [(i, self.render(row, locate(i))) for i, row in enumerate(rows) if row is not None]
-        encodings = self._backend.encode_batch([r.text for _, r in kept], add_special_tokens=False)
         out: list[list[SampleArrays]] = [[] for _ in rows]
-        for (i, rendered), enc in zip(kept, encodings):
-            out[i] = [_span_arrays(enc, rendered.loss_spans)]
+        for (i, _), arrays in zip(kept, self._encode_rendered([r for _, r in kept])):
+            out[i] = [arrays]
         return out
+
+    def _encode_rendered(self, rendered: list[Rendered]) -> list[SampleArrays]:
+        """Tokenize rendered conversations and mark the tokens that overlap their loss spans.
+
+        A byte-level BPE takes the fast path: ids without offset tracking (``encode_batch_fast``), token extents
+        from the byte length of every id, used only when the ids spell the text byte for byte. Any other tokenizer
+        (or a text the check rejects, e.g. one a normalizer changed) gets the tokenizer's character offsets.
+        """
+        texts = [r.text for r in rendered]
+        out: list[SampleArrays | None] = [None] * len(rendered)
+        table = self._byte_table()
+        if table is not None:
+            for k, enc in enumerate(self._backend.encode_batch_fast(texts, add_special_tokens=False)):
+                out[k] = table.span_arrays(np.asarray(enc.ids, dtype=np.int64), texts[k], rendered[k].loss_spans)
+        missing = [k for k, arrays in enumerate(out) if arrays is None]
+        if missing:
+            encodings = self._backend.encode_batch([texts[k] for k in missing], add_special_tokens=False)
+            for k, enc in zip(missing, encodings):
+                out[k] = _span_arrays(enc, rendered[k].loss_spans)
+        return out  # type: ignore[return-value]
 
     def _messages(self, row: dict[str, Any], location: str) -> tuple[list[Any], list[Any] | None]:
         if self.messages_key not in row:
@@ -354,6 +395,147 @@ class ChatTokenizeFn(TokenizeFn):
 
     def _extra_modules(self) -> set[str]:
         return {_templates_module.__name__}
+
+
+class TokenBytes:
+    """The UTF-8 bytes of every token id of a byte-level BPE, to find token extents from the ids alone.
+
+    The offsets a tokenizer reports cost about a third of its encode time; for a byte-level BPE they follow from the
+    ids: token ``i`` covers the bytes after the tokens before it. :meth:`span_arrays` uses them only when the ids spell
+    the text exactly (no normalizer changed it, no added token absorbed whitespace), so the loss mask is the one the
+    offsets would give.
+
+    Args:
+        flat (np.ndarray): uint8, the bytes of all ids back to back.
+        starts (np.ndarray): int64 per id, where its bytes start in ``flat``.
+        lengths (np.ndarray): int64 per id, its byte length (-1 for an id without known bytes).
+    """
+
+    def __init__(self, flat: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> None:
+        self.flat = flat
+        self.starts = starts
+        self.lengths = lengths
+
+    @classmethod
+    def from_tokenizer(cls, backend: Tokenizer) -> TokenBytes | None:
+        """Build the table of a ``tokenizers.Tokenizer``.
+
+        Args:
+            backend (Tokenizer): The Rust tokenizer.
+
+        Returns:
+            TokenBytes | None: The table, or ``None`` unless the model is a BPE behind a ``ByteLevel`` pre-tokenizer
+            that adds no prefix space.
+        """
+        spec = json.loads(backend.to_str())
+        if (spec.get("model") or {}).get("type") != "BPE" or not _plain_byte_level(spec.get("pre_tokenizer")):
+            return None
+        if not _rarely_changes_text(spec.get("normalizer")):
+            return None  # a lowercasing/stripping normalizer would send most texts down the slow path twice
+        vocab = backend.get_vocab(with_added_tokens=False)
+        added = {i: t.content for i, t in backend.get_added_tokens_decoder().items()}
+        alphabet = _byte_level_alphabet()
+        if not set("".join(vocab)) <= alphabet.keys():
+            return None  # tokens outside the byte-level alphabet: not a byte-level vocabulary
+        size = max([*vocab.values(), *added.keys(), -1]) + 1
+        pieces: list[bytes] = [b""] * size
+        lengths = np.full(size, -1, dtype=np.int64)
+        translate = str.maketrans({ch: chr(b) for ch, b in alphabet.items()})
+        for token, i in vocab.items():
+            pieces[i] = token.translate(translate).encode("latin-1")
+        for i, content in added.items():
+            pieces[i] = content.encode("utf-8")
+        known = set(vocab.values()) | set(added)
+        for i in known:
+            lengths[i] = len(pieces[i])
+        flat = np.frombuffer(b"".join(pieces), dtype=np.uint8)
+        sizes = np.fromiter((len(p) for p in pieces), dtype=np.int64, count=size)
+        starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+        return cls(flat, starts, lengths)
+
+    def token_ends(self, ids: np.ndarray, data: bytes) -> np.ndarray | None:
+        """End byte of every token in ``data``, or ``None`` unless the ids spell ``data`` exactly.
+
+        Args:
+            ids (np.ndarray): int64 token ids.
+            data (bytes): The UTF-8 text they were encoded from.
+
+        Returns:
+            np.ndarray | None: int64 cumulative byte lengths.
+        """
+        if len(ids) and (ids.min() < 0 or ids.max() >= len(self.lengths)):
+            return None
+        lengths = self.lengths[ids]
+        if len(ids) and lengths.min() < 0:
+            return None
+        ends = np.cumsum(lengths)
+        total = int(ends[-1]) if len(ends) else 0
+        if total != len(data):
+            return None
+        index = np.repeat(self.starts[ids] - (ends - lengths), lengths) + np.arange(total)
+        if not np.array_equal(self.flat[index], np.frombuffer(data, dtype=np.uint8)):
+            return None
+        return ends
+
+    def span_arrays(self, ids: np.ndarray, text: str, spans: list[tuple[int, int]]) -> SampleArrays | None:
+        """Ids and loss mask (a token is supervised when its bytes overlap a span), or ``None`` to fall back.
+
+        Args:
+            ids (np.ndarray): int64 token ids of ``text``.
+            text (str): The rendered text.
+            spans (list[tuple[int, int]]): ``[start, end)`` character spans that receive loss.
+
+        Returns:
+            tuple[np.ndarray, np.ndarray] | None: Ids and bool mask (False at position 0).
+        """
+        try:
+            data = text.encode("utf-8")
+        except UnicodeEncodeError:  # lone surrogates: let the tokenizer's own path report it
+            return None
+        ends = self.token_ends(ids, data)
+        if ends is None:
+            return None
+        mask = np.zeros(len(ids), dtype=bool)
+        if spans:
+            bounds = np.asarray(spans, dtype=np.int64)
+            if len(data) != len(text):  # non-ASCII: character index -> byte index
+                codes = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
+                width = 1 + (codes >= 0x80).astype(np.int64) + (codes >= 0x800) + (codes >= 0x10000)
+                bounds = np.concatenate([[0], np.cumsum(width)])[bounds]
+            starts = ends - self.lengths[ids]
+            first = np.searchsorted(ends, bounds[:, 0], side="right")  # first token ending after the span start
+            stop = np.searchsorted(starts, bounds[:, 1], side="left")  # tokens starting before the span end
+            for a, b in zip(first.tolist(), stop.tolist()):
+                mask[a:b] = True
+        return ids, _first_masked(mask)
+
+
+def _plain_byte_level(pre_tokenizer: dict[str, Any] | None) -> bool:
+    if not pre_tokenizer:
+        return False
+    parts = pre_tokenizer.get("pretokenizers") if pre_tokenizer.get("type") == "Sequence" else [pre_tokenizer]
+    levels = [p for p in parts or [] if p.get("type") == "ByteLevel"]
+    return bool(levels) and not any(p.get("add_prefix_space") for p in levels)
+
+
+def _rarely_changes_text(normalizer: dict[str, Any] | None) -> bool:
+    if not normalizer:
+        return True
+    parts = normalizer.get("normalizers") if normalizer.get("type") == "Sequence" else [normalizer]
+    return all(p.get("type") in ("NFC", "NFKC") for p in parts or [])
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-to-unicode map, inverted: the character that stands for each byte in a byte-level vocabulary."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = printable[:]
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars)}
 
 
 def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
