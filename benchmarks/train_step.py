@@ -1,64 +1,84 @@
-"""Training throughput and peak memory of xtl vs a transformers ``Trainer`` on an SFT length mix, side by side.
+"""Training throughput and peak memory of xtl vs a transformers ``Trainer``, each side in its own process.
 
 Usage::
 
-    python benchmarks/train_step.py [--steps 12 --hidden 256 --layers 4 --seed 0 --samples 1000 --pack 2048 --rounds 2]
+    python benchmarks/train_step.py [--recipe tiny --steps 51 --pairs 5 --warmup 1 --threads 1
+                                     --precision auto --hf-sampling group_by_length --hf-accum 1]
+    python benchmarks/train_step.py --recipe synthetic [--steps 21 --hidden 256 --layers 4 --samples 1000
+                                                        --pack 2048]
 
 Method:
 
-1. Setup (in a spawned child, so the parent stays a small stdlib-only process): write a synthetic chat SFT JSONL
-   whose rendered token lengths follow a long-tailed log-normal mix (median ~150 tokens, clipped to 32..1024,
-   20% two-turn conversations) using words of the embedded tiny tokenizer's corpus; build a Qwen3 model
-   (``Qwen3Config`` + ``Qwen3ForCausalLM``, fp32) and ``save_pretrained`` it; warm xtl's tokenization cache; pick
-   the transformers batch size ``B = round(pack / mean length)`` so both sides see about the same number of real
-   tokens per optimizer step.
-2. xtl (own spawned child): ``XTLDataModule`` (``qwen3`` template, best-fit packing into ``--pack`` tokens, one
-   micro-batch per step) + ``CausalLM`` loading the saved HF weights, trained by an in-process Lightning
-   ``Trainer`` on CPU.
-3. transformers (own spawned child): the same weights through ``AutoModelForCausalLM`` (SDPA), the same JSONL
-   rendered with the tokenizer's chat template, ``labels = input_ids``, pad-to-longest batches of ``B`` samples
-   (``DataCollatorForSeq2Seq``; labels padded with -100), trained by ``transformers.Trainer`` on CPU.
+1. Recipes. ``tiny`` (default) is exactly ``configs/tiny_sft.yaml``: its model (Qwen3, vocab 1600, hidden 128,
+   4 layers, 4 heads, 2 kv heads, head_dim 32, tied embeddings, from scratch with seed 0), its data
+   (``tiny:sft_train.jsonl``, ``qwen3`` template, embedded tokenizer, best-fit packs of 512 tokens, 2 packs per
+   step) and its trainer, optimizer and schedule. ``synthetic`` keeps the recipe's trainer and optimizer but
+   trains a larger Qwen3 (``--hidden``/``--layers``, loaded from a saved HF directory) on a generated chat SFT
+   mix with a long-tailed length distribution (log-normal, median ~``--median`` tokens, clipped to 32..1024, 20%
+   two-turn) in packs of ``--pack`` tokens, one pack per step.
+2. Setup (one spawned child; nothing in it is timed): the recipe is parsed by xtl's own CLI classes, xtl's
+   tokenization cache is built (warm for every xtl run), the model's initial weights are saved as an HF
+   directory (both sides start from the same weights), and the same JSONL is tokenized for transformers with
+   the tokenizer's chat template in one batched ``datasets.map``, truncated to the pack length as xtl truncates
+   overlong samples, and saved to disk (warm for every transformers run). The transformers batch size is
+   ``round(xtl useful tokens per step / transformers mean sample length)`` so both sides see about the same
+   number of useful tokens per optimizer step. transformers' length-grouped sampler serves megabatches of 50
+   batches longest first, so its tokens per step match xtl's only over whole megabatches: the tiny default of
+   51 steps times 50 (a note is printed otherwise).
+3. xtl (own spawned child per run): the ``xtl fit`` objects (``XTLCLI(..., run=False)`` on the recipe with
+   ``--trainer.max_steps``, ``--trainer.precision``, a fresh temporary ``default_root_dir``, the warm cache dir
+   and the progress bar off), then ``trainer.fit`` -- what ``xtl fit`` runs, CSV logging every step included.
+   Each child imports only what its side uses (the xtl child never imports ``datasets``: it would add ~80 MiB
+   to its RSS).
+4. transformers (own spawned child per run): ``AutoModelForCausalLM`` (SDPA) from the saved weights,
+   ``transformers.Trainer`` on CPU with ``train_sampling_strategy=group_by_length`` (its length-grouped
+   sampler), ``bf16=True`` when xtl runs ``bf16-mixed`` (accelerate's CPU autocast), fused AdamW, the recipe's
+   learning rate, schedule and clipping, pad-to-longest batches (``DataCollatorForSeq2Seq``, labels padded with
+   -100), ``labels = input_ids``, no logging, no saving.
+5. Measured in each run: the clock runs from the end of step 1 (warm-up, excluded) to the end of the last step;
+   useful tokens are the non-padding tokens of steps 2..N (``MicroBatch.num_real_tokens``; the collated
+   ``attention_mask.sum()``), processed tokens include padding (``fill`` = useful / processed). Peak RSS is the
+   child's ``VmHWM`` (its own address space; a spawned child's ``ru_maxrss`` would start from its parent's peak).
+   Where the time goes, per step: forward (hooks on the model; xtl's fused head + loss computes its gradients
+   here), backward (``torch.Tensor.backward``, wrapped), optimizer step (torch's global optimizer step hooks),
+   the rest of the step body (train-batch start to end hooks: clipping, zero-grad, scheduler, logging) and the
+   time between steps (data loading, loop and callback overhead). Whether forward ran under autocast (and its
+   dtype) is recorded from inside the model.
+6. Protocol (``benchmarks/_paired.py``): threads pinned in every child (``--threads``, default 1), ``--warmup``
+   untimed pairs of runs, then ``--pairs`` (>= 5) timed pairs whose order alternates (xtl first, then
+   transformers first, ...). Printed: both configurations, every pair, the median ratio xtl/transformers with
+   its min..max for useful tokens/s, for useful tokens per CPU second (process CPU time: with one thread it
+   barely moves when a shared machine deschedules a run, where wall-clock tokens/s can halve) and for peak
+   RSS, the median breakdown per side, and the acceptance check (tiny, bf16: useful tokens/s >= 1.3x at peak
+   RSS <= 0.6x).
 
-Both sides run ``--steps`` optimizer steps. The clock runs from the end of step 1 (warm-up, excluded) to the end of
-the last step; the useful tokens are the non-padding tokens of steps 2..N (``MicroBatch.num_real_tokens`` for xtl,
-``attention_mask.sum()`` of each collated batch for transformers). ``fill`` is useful / processed tokens (processed
-includes padding: xtl pads each pack to ``--pack``, transformers pads each batch to its longest sample).
-
-Peak RSS is ``resource.getrusage(RUSAGE_SELF).ru_maxrss`` read at the end of each side's own spawned child, so the
-two peaks do not mix. On Linux a spawned child's ``ru_maxrss`` starts from its parent's peak (it survives the
-``execve``), which is why the parent imports nothing heavy; ``VmHWM`` of ``/proc/self/status`` (the peak of the
-child's own address space only) is printed next to it as a cross-check.
-
-The machine may be shared, so ``--rounds`` (default 2) repeats both sides in alternating order (xtl first in even
-rounds, transformers first in odd ones), each run in a fresh child; every run is printed, and the summary takes each
-side's best (least disturbed) throughput and its largest peak RSS. The 1-minute load average is printed before and
-after. Each line also gives useful tokens per CPU second (``time.process_time``, all threads): with ``--threads 1``
-it barely moves under other load; with several threads, spin-waiting threads of a disturbed run inflate it too.
-On a shared machine prefer ``--threads 1``: with all cores, a run whose threads get descheduled can be several times
-slower (every OpenMP barrier waits for the descheduled thread), xtl's many small per-document kernels more so.
-
-The ratio printed is xtl / transformers useful tokens/s (wall clock); the target on an SFT length mix is >= 1.5.
-``--hf-sampling group_by_length`` gives transformers its length-grouped sampler (a stronger baseline than the
-default random order).
+The parent process stays stdlib-only (its children do all the work).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import math
 import multiprocessing
-import os
 import random
-import resource
+import statistics
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-TARGET_RATIO = 1.5
+from _paired import PairedResult, add_protocol_args, load_average, pin_threads, print_configs, run_pairs
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_RECIPE = ROOT / "configs" / "tiny_sft.yaml"
+TARGET_SPEED, TARGET_MEMORY = 1.3, 0.6
+DEFAULT_STEPS = {"tiny": 51, "synthetic": 21}
+HF_MEGABATCH = 50  # transformers' LengthGroupedSampler sorts megabatches of 50 batches, longest batch first
 MIN_TOKENS, MAX_TOKENS = 32, 1024
 TEMPLATE_OVERHEAD = 20  # tokens the qwen3 template adds around one user/assistant turn (roles, empty think block)
 # Words of the tiny tokenizer's training corpus (scripts/make_tiny_assets.py): one token each after a space.
@@ -71,26 +91,29 @@ WORDS = (
 
 @dataclass
 class BenchConfig:
-    """Everything a child process needs (picklable)."""
+    """Everything a child process needs (picklable); ``prepare`` fills the fields after ``xtl_args``."""
 
+    recipe: str
     work_dir: str
-    data: str
-    hf_dir: str
-    tokenizer: str
-    cache_dir: str
     steps: int
-    pack: int
-    hidden: int
-    layers: int
-    seed: int
     threads: int
-    hf_batch: int = 0
-    hf_sampling: str = "random"
+    precision: str
+    seed: int
+    hf_sampling: str
+    hf_accum: int
+    hf_batch: int
+    xtl_args: list[str] = field(default_factory=list)
+    hidden: int = 0
+    layers: int = 0
+    hf_dir: str = ""
+    hf_data: str = ""
+    tokenizer: str = ""
+    hf: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
 class SideResult:
-    """Throughput and memory of one side, measured in its own child process."""
+    """Throughput, time breakdown and memory of one run of one side, measured in its own child process."""
 
     name: str
     useful_tokens: int
@@ -98,9 +121,11 @@ class SideResult:
     seconds: float
     cpu_seconds: float
     steps_timed: int
+    in_step_seconds: float
+    parts: dict[str, float]
     peak_rss_bytes: int
-    vm_hwm_bytes: int
     threads: int
+    autocast: str
 
     @property
     def useful_tok_s(self) -> float:
@@ -109,25 +134,32 @@ class SideResult:
 
     @property
     def useful_tok_cpu_s(self) -> float:
-        """Non-padding tokens per CPU second of the process (all threads; OpenMP spin-waits count too)."""
+        """Non-padding tokens per CPU second of the process (all threads; less sensitive to descheduling)."""
         return self.useful_tokens / max(self.cpu_seconds, 1e-9)
-
-    @property
-    def processed_tok_s(self) -> float:
-        """Tokens per second including padding."""
-        return self.processed_tokens / max(self.seconds, 1e-9)
 
     @property
     def fill(self) -> float:
         """Useful / processed tokens."""
         return self.useful_tokens / max(self.processed_tokens, 1)
 
+    def per_step_ms(self) -> dict[str, float]:
+        """Milliseconds per timed step: total, forward, backward, optimizer, the rest of the step body (clipping,
+        zero-grad, scheduler, logging, hooks) and the time between steps (data loading, loop overhead)."""
+        n = max(self.steps_timed, 1) / 1e3
+        rest = self.in_step_seconds - sum(self.parts.values())
+        return {
+            "step": self.seconds / n,
+            **{k: v / n for k, v in self.parts.items()},
+            "rest of body": rest / n,
+            "between steps": (self.seconds - self.in_step_seconds) / n,
+        }
 
-# ---- data ------------------------------------------------------------------------------------------------------
+
+# ---- synthetic data (stdlib only) --------------------------------------------------------------------------------
 
 
 def write_sft_mix(path: Path, samples: int, seed: int, median: float, sigma: float) -> None:
-    """Write ``samples`` chat records whose rendered lengths follow a clipped log-normal (stdlib only)."""
+    """Write ``samples`` chat records whose rendered lengths follow a clipped log-normal."""
     rng = random.Random(seed)
     with path.open("w") as f:
         for _ in range(samples):
@@ -159,55 +191,152 @@ def _text(num_tokens: int, rng: random.Random) -> str:
     return " ".join(words).capitalize()
 
 
-# ---- children --------------------------------------------------------------------------------------------------
+def xtl_args(cfg: BenchConfig, data: Path | None, pack: int) -> list[str]:
+    """The ``xtl fit`` arguments of a run: the tiny recipe, plus the synthetic overrides."""
+    work = Path(cfg.work_dir)
+    args = [
+        "--config",
+        str(TINY_RECIPE),
+        f"--trainer.max_steps={cfg.steps}",
+        f"--trainer.precision={cfg.precision}",
+        f"--trainer.default_root_dir={work / 'xtl_prepare'}",  # each run overrides it with a fresh folder
+        "--trainer.enable_progress_bar=false",
+        f"--data.cache_dir={work / 'xtl_cache'}",
+        "--data.progress=false",
+    ]
+    if data is not None:
+        args += [
+            f"--model.init_args.model={work / 'hf_model'}",
+            "--data.sources=" + json.dumps([{"path": str(data), "kind": "chat"}]),
+            "--data.val_sources=null",
+            "--data.test_sources=null",
+            f"--data.pack_max_length={pack}",
+            "--data.micro_batches_per_step=1",
+        ]
+    return args
 
 
-def _peaks() -> tuple[int, int]:
-    """``(ru_maxrss, VmHWM)`` of this process in bytes."""
-    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-    hwm = 0
-    status = Path("/proc/self/status")
-    if status.exists():
-        for line in status.read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                hwm = int(line.split()[1]) * 1024
-    return maxrss, hwm
+# ---- children ----------------------------------------------------------------------------------------------------
 
 
-def _quiet() -> None:
-    """Silence progress bars, info logs and known-harmless warnings of the libraries in a child."""
+def _child_setup(threads: int, uses_datasets: bool = True) -> None:
+    """Pin threads and silence progress bars, info logs and known-harmless warnings in a child.
+
+    ``uses_datasets=False`` leaves the ``datasets`` library unimported (it would add to the xtl child's RSS).
+    """
+    import logging
+    import sys
     import warnings
 
+    sys.argv = sys.argv[:1]  # the parent's arguments are not the child's (LightningCLI would warn about them)
+    pin_threads(threads)
+    import lightning.pytorch  # noqa: F401 - it sets its loggers to INFO on import: quiet them afterwards
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
+    if uses_datasets:
+        import datasets
+
+        datasets.disable_progress_bars()
+    for name in ("lightning.pytorch", "lightning.fabric", "xtl"):
+        logging.getLogger(name).setLevel(logging.WARNING)
     for message in (".*does not have many workers.*", ".*across ranks is zero.*", ".*LeafSpec.*is deprecated.*"):
         warnings.filterwarnings("ignore", message=message)
 
 
-def _set_threads(threads: int) -> int:
-    import torch
-
-    _quiet()
-    if threads > 0:
-        torch.set_num_threads(threads)
-    return torch.get_num_threads()
-
-
 def prepare(cfg: BenchConfig) -> dict[str, Any]:
-    """Save the HF model, warm xtl's tokenization cache, measure rendered lengths and choose the HF batch size."""
-    import statistics
+    """Parse the recipe with xtl's CLI, warm xtl's cache, save initial weights and the transformers dataset."""
+    _child_setup(cfg.threads)
+    import torch
+    from datasets import load_dataset
+    from transformers import AutoTokenizer
 
+    from xtl.cli import XTLCLI
+    from xtl.utils import resolve_path
+
+    work = Path(cfg.work_dir)
+    hf_dir = work / "hf_model"
+    if cfg.recipe == "synthetic":  # before the CLI: the recipe's model is this directory
+        _save_synthetic_model(cfg, hf_dir)
+    cli = XTLCLI(args=cfg.xtl_args, run=False)
+    dm, module = cli.datamodule, cli.model
+    dm.prepare_data()
+    dm.setup()
+    report = dm.train_split.plan.report()
+    if cfg.recipe == "tiny":  # the recipe's from-scratch model, initialized as LanguageModule initializes it
+        model = module.model_config.build()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(module.hparams.seed)
+            model.init_weights()
+        model.save_hf(hf_dir)
+    tokenizer_dir = str(Path(dm.load_tokenizer().name_or_path))
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    pack = dm.pack_max_length
+
+    def tokenize(batch: dict[str, list[Any]]) -> dict[str, list[Any]]:
+        full = tokenizer.apply_chat_template(batch["messages"], tokenize=True, return_dict=False)
+        ids = [x[:pack] for x in full]
+        return {
+            "input_ids": ids,
+            "attention_mask": [[1] * len(x) for x in ids],
+            "labels": ids,
+            "length": [len(x) for x in ids],
+            "cut": [len(x) - pack if len(x) > pack else 0 for x in full],
+        }
+
+    sources = [resolve_path(spec.path) for spec in dm.sources]
+    raw = load_dataset("json", data_files=sources, split="train", cache_dir=str(work / "hf_datasets_cache"))
+    dataset = raw.map(tokenize, batched=True, remove_columns=raw.column_names)
+    lengths, cut = dataset["length"], dataset["cut"]
+    dataset.remove_columns(["cut"]).save_to_disk(str(work / "hf_data"))
+    xtl_tokens_per_step = report["tokens"] / report["packs"] * dm.micro_batches_per_step
+    mean = statistics.fmean(lengths)
+    optimizer, schedule = module.optimizer_config, module.schedule
+    return {
+        "hf_dir": str(hf_dir),
+        "hf_data": str(work / "hf_data"),
+        "tokenizer": tokenizer_dir,
+        "hf": {
+            "lr": optimizer.lr,
+            "weight_decay": optimizer.weight_decay,
+            "betas": list(optimizer.betas),
+            "eps": optimizer.eps,
+            "warmup_steps": schedule.warmup_steps,
+            "schedule": schedule.kind,
+            "min_lr_ratio": schedule.min_lr_ratio,
+            "max_grad_norm": module.hparams.max_grad_norm,
+            "max_length": pack,
+        },
+        "model": _describe(module.model_config),
+        "params": sum(p.numel() for p in module.model_config.build().parameters()),
+        "pack": pack,
+        "micro_batches": dm.micro_batches_per_step,
+        "sampler": dm.sampler_order,
+        "template": dm.template,
+        "overlong": dm.overlong,
+        "sources": sources,
+        "xtl_report": report,
+        "xtl_tokens_per_step": xtl_tokens_per_step,
+        "hf_samples": len(lengths),
+        "hf_tokens": sum(lengths),
+        "hf_mean": mean,
+        "hf_median": statistics.median(lengths),
+        "hf_max": max(lengths),
+        "hf_cut_samples": sum(1 for c in cut if c),
+        "hf_cut_tokens": sum(cut),
+        "hf_batch": cfg.hf_batch or max(1, round(xtl_tokens_per_step / mean / cfg.hf_accum)),
+    }
+
+
+def _save_synthetic_model(cfg: BenchConfig, hf_dir: Path) -> None:
     import torch
     from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
-    from xtl.data import XTLDataModule, tiny_assets_dir
+    from xtl.data import tiny_assets_dir
 
-    _quiet()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_assets_dir())
 
-    cfg.tokenizer = str(tiny_assets_dir())
-    tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer)
     heads = max(1, cfg.hidden // 64)
     config = Qwen3Config(
         vocab_size=1600,
@@ -217,100 +346,151 @@ def prepare(cfg: BenchConfig) -> dict[str, Any]:
         num_attention_heads=heads,
         num_key_value_heads=max(1, heads // 2),
         head_dim=64,
-        max_position_embeddings=max(4096, cfg.pack),
+        max_position_embeddings=4096,
         tie_word_embeddings=False,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=None,
     )
     torch.manual_seed(cfg.seed)
-    model = Qwen3ForCausalLM(config)
-    model.save_pretrained(cfg.hf_dir)
-    dm = _datamodule(cfg, XTLDataModule)
-    dm.prepare_data()
-    dm.setup()
-    assert dm.train_split is not None
-    plan = dm.train_split.plan.report()
-    rows = [json.loads(line) for line in Path(cfg.data).read_text().splitlines()]
-    lengths = sorted(len(tokenizer.apply_chat_template(r["messages"], tokenize=True, return_dict=False)) for r in rows)
-    mean = statistics.fmean(lengths)
-    return {
-        "samples": len(lengths),
-        "median": statistics.median(lengths),
-        "mean": mean,
-        "p90": lengths[int(0.9 * (len(lengths) - 1))],
-        "max": lengths[-1],
-        "packs": plan["packs"],
-        "plan_fill": plan["fill_ratio"],
-        "tokenizer": cfg.tokenizer,
-        "hf_batch": cfg.hf_batch or max(1, round(cfg.pack / mean)),
-        "params": sum(p.numel() for p in model.parameters()),
-    }
+    Qwen3ForCausalLM(config).save_pretrained(hf_dir)
 
 
-def _datamodule(cfg: BenchConfig, cls: Any) -> Any:
-    return cls(
-        sources=[{"path": cfg.data, "kind": "chat"}],
-        tokenizer=cfg.tokenizer,
-        template="qwen3",
-        pack_max_length=cfg.pack,
-        micro_batches_per_step=1,
-        seed=cfg.seed,
-        cache_dir=cfg.cache_dir,
-        progress=False,
+def _describe(config: Any) -> str:
+    return (
+        f"{config.model_type}: vocab {config.vocab_size}, hidden {config.hidden_size}, intermediate "
+        f"{config.intermediate_size}, {config.num_hidden_layers} layers, heads {config.num_attention_heads}/kv "
+        f"{config.num_key_value_heads}, head_dim {config.resolved_head_dim}, tied {config.tie_word_embeddings}, "
+        f"attn_impl {config.attn_impl}"
     )
+
+
+class StepTimer:
+    """Step marks and the time spent in forward (model hooks), backward and the optimizer step.
+
+    Backward is timed by wrapping ``torch.Tensor.backward`` (Lightning's ``manual_backward`` and accelerate's
+    ``backward`` both end there), the optimizer step by torch's global optimizer step hooks.
+    """
+
+    PARTS = ("forward", "backward", "optimizer")
+
+    def __init__(self) -> None:
+        import torch
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+        self.marks: list[tuple[float, float, float, dict[str, float], int, int]] = []
+        self.spent = dict.fromkeys(self.PARTS, 0.0)
+        self.autocast = "not seen"
+        self._start = 0.0
+        self._started: dict[str, float] = {}
+        register_optimizer_step_pre_hook(lambda *_: self._begin("optimizer"))
+        register_optimizer_step_post_hook(lambda *_: self._end("optimizer"))
+        backward = torch.Tensor.backward
+
+        def timed_backward(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+            self._begin("backward")
+            backward(tensor, *args, **kwargs)
+            self._end("backward")
+
+        torch.Tensor.backward = timed_backward
+
+    def watch(self, model: Any) -> None:
+        """Time every forward of ``model``; record whether its first linear layer runs under CPU autocast.
+
+        The autocast check sits inside the model: accelerate enters autocast inside a wrapped ``forward``, after
+        the model's own forward hooks have run.
+        """
+        import torch
+
+        model.register_forward_pre_hook(lambda *_: self._begin("forward"))
+        model.register_forward_hook(lambda *_: self._end("forward"))
+        linear = next(m for m in model.modules() if isinstance(m, torch.nn.Linear))
+        linear.register_forward_pre_hook(self._autocast_state)
+
+    def step_start(self) -> None:
+        """Mark the start of an optimizer step's body."""
+        self._start = time.perf_counter()
+
+    def step_end(self, useful: int, processed: int) -> None:
+        """Mark the end of an optimizer step with its useful and processed tokens."""
+        now = time.perf_counter()
+        self.marks.append((self._start, now, time.process_time(), dict(self.spent), useful, processed))
+
+    def result(self, name: str) -> SideResult:
+        """Sum steps 2..N (step 1 is warm-up) and read this process's peak RSS."""
+        import torch
+
+        if len(self.marks) < 2:
+            raise RuntimeError(f"{name}: only {len(self.marks)} step(s) ran; need at least 2 (step 1 is warm-up)")
+        first, last, timed = self.marks[0], self.marks[-1], self.marks[1:]
+        return SideResult(
+            name=name,
+            useful_tokens=sum(m[4] for m in timed),
+            processed_tokens=sum(m[5] for m in timed),
+            seconds=last[1] - first[1],
+            cpu_seconds=last[2] - first[2],
+            steps_timed=len(timed),
+            in_step_seconds=sum(m[1] - m[0] for m in timed),
+            parts={part: last[3][part] - first[3][part] for part in self.PARTS},
+            peak_rss_bytes=_vm_hwm(),
+            threads=torch.get_num_threads(),
+            autocast=self.autocast,
+        )
+
+    def _begin(self, part: str) -> None:
+        self._started[part] = time.perf_counter()
+
+    def _end(self, part: str) -> None:
+        self.spent[part] += time.perf_counter() - self._started.pop(part)
+
+    def _autocast_state(self, *args: Any) -> None:
+        import torch
+
+        on = torch.is_autocast_enabled("cpu")
+        self.autocast = str(torch.get_autocast_dtype("cpu")).removeprefix("torch.") if on else "off"
+
+
+def _vm_hwm() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("/proc/self/status has no VmHWM (peak memory needs Linux)")
 
 
 def run_xtl(cfg: BenchConfig) -> SideResult:
-    """Train with xtl's public API (in-process Lightning) and time steps 2..N."""
-    import logging
-
-    threads = _set_threads(cfg.threads)
+    """Build the ``xtl fit`` objects of the recipe, add a step clock, train ``cfg.steps`` steps."""
+    _child_setup(cfg.threads, uses_datasets=False)
     import lightning.pytorch as pl
 
-    from xtl.data import XTLDataModule
-    from xtl.train import AdamWConfig, CausalLM
+    from xtl.cli import XTLCLI
 
-    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)  # after import: Lightning sets INFO on import
+    timer = StepTimer()
 
-    class StepClock(pl.Callback):
-        """Time and real/processed tokens at the end of every train step."""
+    class Clock(pl.Callback):
+        def on_train_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+            timer.watch(module.model)
 
-        def __init__(self) -> None:
-            self.marks: list[tuple[float, float, int, int]] = []
+        def on_train_batch_start(self, *args: Any) -> None:
+            timer.step_start()
 
-        def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, *args: Any) -> None:
-            batch = args[1]  # (outputs, batch, batch_idx)
-            real = sum(mb.num_real_tokens for mb in batch)
-            processed = sum(mb.seq_ctx.seq_len for mb in batch)
-            self.marks.append((time.perf_counter(), time.process_time(), real, processed))
+        def on_train_batch_end(
+            self, trainer: pl.Trainer, module: pl.LightningModule, outputs: Any, batch: Any, *_
+        ) -> None:
+            timer.step_end(sum(mb.num_real_tokens for mb in batch), sum(mb.seq_ctx.seq_len for mb in batch))
 
-    dm = _datamodule(cfg, XTLDataModule)
-    dm.prepare_data()
-    dm.setup()
-    module = CausalLM(model=cfg.hf_dir, optimizer=AdamWConfig(lr=1e-4), max_grad_norm=1.0, seed=cfg.seed)
-    clock = StepClock()
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=cfg.steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        callbacks=[clock],
-        default_root_dir=cfg.work_dir,
-    )
-    trainer.fit(module, datamodule=dm)
-    return _result("xtl", clock.marks, threads)
+    root = tempfile.mkdtemp(prefix="xtl_run_", dir=cfg.work_dir)  # a fresh run folder (logs, checkpoints) per run
+    with contextlib.redirect_stdout(io.StringIO()):  # the data summary line every run prints
+        cli = XTLCLI(args=[*cfg.xtl_args, f"--trainer.default_root_dir={root}"], run=False)
+        cli.trainer.callbacks.append(Clock())
+        cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    return timer.result("xtl")
 
 
 def run_transformers(cfg: BenchConfig) -> SideResult:
-    """Train with ``transformers.Trainer`` on pad-to-longest batches and time steps 2..N."""
-    threads = _set_threads(cfg.threads)
+    """Train with ``transformers.Trainer`` on pad-to-longest batches of the saved dataset."""
+    _child_setup(cfg.threads)
     import torch
-    from datasets import Dataset
+    from datasets import load_from_disk
     from transformers import (
         AutoModelForCausalLM,
         AutoTokenizer,
@@ -322,9 +502,6 @@ def run_transformers(cfg: BenchConfig) -> SideResult:
     )
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer)
-    rows = [json.loads(line) for line in Path(cfg.data).read_text().splitlines()]
-    ids = [tokenizer.apply_chat_template(r["messages"], tokenize=True, return_dict=False) for r in rows]
-    dataset = Dataset.from_dict({"input_ids": ids, "attention_mask": [[1] * len(x) for x in ids], "labels": ids})
     padder = DataCollatorForSeq2Seq(tokenizer, padding="longest", label_pad_token_id=-100, return_tensors="pt")
     counts: list[tuple[int, int]] = []
 
@@ -334,20 +511,36 @@ def run_transformers(cfg: BenchConfig) -> SideResult:
         counts.append((int(mask.sum()), mask.numel()))
         return batch
 
-    stamps: list[tuple[float, float]] = []
+    timer = StepTimer()
 
-    class StepClock(TrainerCallback):
-        """Time at the end of every optimizer step."""
+    class Clock(TrainerCallback):
+        def on_step_begin(self, *args: Any, **kwargs: Any) -> None:
+            timer.step_start()
 
-        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            stamps.append((time.perf_counter(), time.process_time()))
+        def on_step_end(self, *args: Any, **kwargs: Any) -> None:
+            done = counts[len(timer.marks) * cfg.hf_accum : (len(timer.marks) + 1) * cfg.hf_accum]
+            timer.step_end(sum(c[0] for c in done), sum(c[1] for c in done))
 
+    hf = cfg.hf
     model = AutoModelForCausalLM.from_pretrained(cfg.hf_dir, attn_implementation="sdpa", dtype=torch.float32)
+    timer.watch(model)
+    schedule = {"cosine": "cosine_with_min_lr", "linear": "linear", "constant": "constant_with_warmup"}
     args = TrainingArguments(
         output_dir=str(Path(cfg.work_dir) / "hf_out"),
         per_device_train_batch_size=cfg.hf_batch,
+        gradient_accumulation_steps=cfg.hf_accum,
         max_steps=cfg.steps,
-        learning_rate=1e-4,
+        learning_rate=hf["lr"],
+        weight_decay=hf["weight_decay"],
+        adam_beta1=hf["betas"][0],
+        adam_beta2=hf["betas"][1],
+        adam_epsilon=hf["eps"],
+        optim="adamw_torch_fused",
+        lr_scheduler_type=schedule.get(hf["schedule"], "linear"),
+        lr_scheduler_kwargs={"min_lr_rate": hf["min_lr_ratio"]} if hf["schedule"] == "cosine" else {},
+        warmup_steps=hf["warmup_steps"],
+        max_grad_norm=hf["max_grad_norm"],
+        bf16=cfg.precision == "bf16-mixed",
         use_cpu=True,
         report_to=[],
         save_strategy="no",
@@ -357,32 +550,17 @@ def run_transformers(cfg: BenchConfig) -> SideResult:
         seed=cfg.seed,
         train_sampling_strategy=cfg.hf_sampling,
     )
-    trainer = Trainer(model=model, args=args, train_dataset=dataset, data_collator=collate, callbacks=[StepClock()])
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=load_from_disk(cfg.hf_data),
+        data_collator=collate,
+        processing_class=tokenizer,
+        callbacks=[Clock()],
+    )
     trainer.remove_callback(PrinterCallback)  # it prints the final metrics dict even with logging_strategy="no"
     trainer.train()
-    # Batch i is consumed by step i (the loader may have collated one batch ahead; those extra counts are ignored).
-    if len(counts) < len(stamps):
-        raise RuntimeError(f"transformers: {len(stamps)} steps but only {len(counts)} collated batches")
-    marks = [(*t, *c) for t, c in zip(stamps, counts)]
-    return _result("transformers", marks, threads)
-
-
-def _result(name: str, marks: list[tuple[float, float, int, int]], threads: int) -> SideResult:
-    """Sum steps 2..N of ``(wall time, CPU time, real tokens, processed tokens)`` marks taken at each step end."""
-    if len(marks) < 2:
-        raise RuntimeError(f"{name}: only {len(marks)} step(s) ran; need at least 2 (step 1 is warm-up)")
-    maxrss, hwm = _peaks()
-    return SideResult(
-        name=name,
-        useful_tokens=sum(m[2] for m in marks[1:]),
-        processed_tokens=sum(m[3] for m in marks[1:]),
-        seconds=marks[-1][0] - marks[0][0],
-        cpu_seconds=marks[-1][1] - marks[0][1],
-        steps_timed=len(marks) - 1,
-        peak_rss_bytes=maxrss,
-        vm_hwm_bytes=hwm,
-        threads=threads,
-    )
+    return timer.result("transformers")
 
 
 def _in_child(fn: Any, cfg: BenchConfig) -> Any:
@@ -391,117 +569,204 @@ def _in_child(fn: Any, cfg: BenchConfig) -> Any:
         return pool.submit(fn, cfg).result()
 
 
-# ---- main ------------------------------------------------------------------------------------------------------
+# ---- main --------------------------------------------------------------------------------------------------------
 
 
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB"
+def _cpu_has_bf16() -> bool:
+    """Whether the CPU has native bf16 matmul instructions (``avx512_bf16`` or ``amx_bf16``), read from cpuinfo."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def _line(r: SideResult, label: str | None = None) -> str:
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.0f} MiB"
+
+
+def _run_line(label: str, r: SideResult) -> str:
     return (
-        f"{label or r.name:12s}: {r.useful_tok_s:6.0f} useful tok/s, fill {r.fill:.3f}, "
-        f"peak RSS {_gib(r.peak_rss_bytes)} (VmHWM {_gib(r.vm_hwm_bytes)}) | "
-        f"{r.steps_timed} steps in {r.seconds:.2f} s ({r.cpu_seconds:.1f} CPU s), {r.processed_tok_s:.0f} processed "
-        f"tok/s, {r.useful_tok_cpu_s:.0f} useful tok/CPU-s, {r.threads} threads"
+        f"  {label:13s} {r.useful_tok_s:7.0f} useful tok/s, fill {r.fill:.3f}, peak RSS {_mib(r.peak_rss_bytes)}, "
+        f"{r.steps_timed} steps in {r.seconds:.2f} s ({r.cpu_seconds:.1f} CPU s), {r.threads} thread(s), "
+        f"autocast {r.autocast}"
+    )
+
+
+def _breakdown(name: str, runs: list[SideResult]) -> str:
+    parts = {key: statistics.median(r.per_step_ms()[key] for r in runs) for key in runs[0].per_step_ms()}
+    useful = statistics.median(r.useful_tokens / r.steps_timed for r in runs)
+    processed = statistics.median(r.processed_tokens / r.steps_timed for r in runs)
+    step = parts["step"]
+    shares = ", ".join(f"{k} {v:.1f} ms ({v / step:.0%})" for k, v in parts.items() if k != "step")
+    return (
+        f"{name:12s}: {step:.1f} ms/step = {shares} | tokens/step: {useful:.0f} useful of {processed:.0f} processed "
+        f"(fill {useful / processed:.3f})"
     )
 
 
 def main() -> None:
-    """Parse arguments, prepare model and data, run both sides in their own processes, print the comparison."""
+    """Parse arguments, prepare data and weights, run the pairs of child processes, print the comparison."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=12, help="optimizer steps per side (step 1 is warm-up)")
-    parser.add_argument("--hidden", type=int, default=256, help="hidden size (heads = hidden/64, head_dim 64)")
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--samples", type=int, default=1000, help="SFT records to generate")
-    parser.add_argument("--median", type=float, default=150.0, help="median sample length in tokens")
-    parser.add_argument("--sigma", type=float, default=1.0, help="log-normal sigma of sample lengths")
-    parser.add_argument("--pack", type=int, default=2048, help="xtl pack length (tokens per step)")
-    parser.add_argument("--hf-batch", type=int, default=0, help="transformers batch size (0: pack / mean length)")
+    add_protocol_args(parser, pairs=5, warmup=1)
+    parser.add_argument("--recipe", default="tiny", choices=["tiny", "synthetic"])
     parser.add_argument(
-        "--hf-sampling", default="random", choices=["random", "sequential", "group_by_length"], help="HF sampler"
+        "--steps", type=int, default=0, help="optimizer steps per run, the first excluded (0: per recipe)"
     )
-    parser.add_argument("--threads", type=int, default=0, help="torch threads per side (0: torch default)")
-    parser.add_argument("--rounds", type=int, default=2, help="alternating repeats; each side's best run counts")
+    parser.add_argument("--precision", default="auto", choices=["auto", "bf16-mixed", "32-true"])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--hf-sampling", default="group_by_length", choices=["group_by_length", "random", "sequential"]
+    )
+    parser.add_argument("--hf-accum", type=int, default=1, help="transformers gradient accumulation steps")
+    parser.add_argument("--hf-batch", type=int, default=0, help="transformers batch size (0: matched useful tokens)")
+    synthetic = parser.add_argument_group("synthetic recipe")
+    synthetic.add_argument("--hidden", type=int, default=256, help="hidden size (heads = hidden/64, head_dim 64)")
+    synthetic.add_argument("--layers", type=int, default=4)
+    synthetic.add_argument("--samples", type=int, default=1000, help="SFT records to generate")
+    synthetic.add_argument("--median", type=float, default=150.0, help="median sample length in tokens")
+    synthetic.add_argument("--sigma", type=float, default=1.0, help="log-normal sigma of sample lengths")
+    synthetic.add_argument("--pack", type=int, default=2048, help="xtl pack length (tokens per step)")
     args = parser.parse_args()
-    if args.steps < 2:
+    steps = args.steps or DEFAULT_STEPS[args.recipe]
+    if steps < 2:
         parser.error("--steps must be >= 2 (step 1 is excluded as warm-up)")
-    if args.rounds < 1:
-        parser.error("--rounds must be >= 1")
-    load_before = os.getloadavg()[0]
+    precision = args.precision if args.precision != "auto" else ("bf16-mixed" if _cpu_has_bf16() else "32-true")
+    print(f"load average before: {load_average()}")
+    start = time.perf_counter()
 
     with tempfile.TemporaryDirectory(prefix="xtl-train-bench-") as tmp:
         work = Path(tmp)
-        data = work / "sft_mix.jsonl"
-        write_sft_mix(data, args.samples, args.seed, args.median, args.sigma)
         cfg = BenchConfig(
+            recipe=args.recipe,
             work_dir=str(work),
-            data=str(data),
-            hf_dir=str(work / "hf_model"),
-            tokenizer="",  # set by prepare(): xtl.data.tiny_assets_dir()
-            cache_dir=str(work / "cache"),
-            steps=args.steps,
-            pack=args.pack,
+            steps=steps,
+            threads=args.threads,
+            precision=precision,
+            seed=args.seed,
+            hf_sampling=args.hf_sampling,
+            hf_accum=args.hf_accum,
+            hf_batch=args.hf_batch,
             hidden=args.hidden,
             layers=args.layers,
-            seed=args.seed,
-            threads=args.threads,
-            hf_batch=args.hf_batch,
-            hf_sampling=args.hf_sampling,
         )
-        start = time.perf_counter()
+        data = None
+        if args.recipe == "synthetic":
+            data = work / "sft_mix.jsonl"
+            write_sft_mix(data, args.samples, args.seed, args.median, args.sigma)
+        cfg.xtl_args = xtl_args(cfg, data, args.pack)
         info = _in_child(prepare, cfg)
-        cfg.hf_batch, cfg.tokenizer = info["hf_batch"], info["tokenizer"]
-        print(
-            f"model: Qwen3 {args.layers} layers, hidden {args.hidden}, {info['params'] / 1e6:.1f}M params, fp32 | "
-            f"data: {info['samples']} chat samples, tokens median {info['median']:.0f} / mean {info['mean']:.0f} / "
-            f"p90 {info['p90']} / max {info['max']}, {info['packs']} xtl packs of {args.pack} "
-            f"(plan fill {info['plan_fill']:.3f})"
+        for key in ("hf_dir", "hf_data", "tokenizer", "hf", "hf_batch"):
+            setattr(cfg, key, info[key])
+        _print_setup(cfg, info)
+
+        runs: dict[str, list[SideResult]] = {"xtl": [], "transformers": []}
+
+        def side(name: str, fn: Any) -> Any:
+            def run() -> float:
+                runs[name].append(_in_child(fn, cfg))
+                return runs[name][-1].useful_tok_s
+
+            return run
+
+        def on_pair(i: int, a: float, b: float) -> None:
+            x, h = runs["xtl"][-1], runs["transformers"][-1]
+            print(f"pair {i + 1} ({'xtl' if (args.warmup + i) % 2 == 0 else 'transformers'} first):", flush=True)
+            print(_run_line("xtl", x))
+            print(_run_line("transformers", h), flush=True)
+
+        speed = run_pairs(
+            side("xtl", run_xtl),
+            side("transformers", run_transformers),
+            args.pairs,
+            args.warmup,
+            metric="useful tokens/s",
+            higher_is_better=True,
+            on_pair=on_pair,
         )
+    timed = {name: results[args.warmup :] for name, results in runs.items()}
+    cpu = PairedResult(
+        "useful tokens per CPU second",
+        a=[r.useful_tok_cpu_s for r in timed["xtl"]],
+        b=[r.useful_tok_cpu_s for r in timed["transformers"]],
+        higher_is_better=True,
+    )
+    memory = PairedResult(
+        "peak RSS MiB",
+        a=[r.peak_rss_bytes / 2**20 for r in timed["xtl"]],
+        b=[r.peak_rss_bytes / 2**20 for r in timed["transformers"]],
+    )
+    print(f"\nresults ({args.pairs} timed pairs after {args.warmup} warm-up pair(s), order alternating):")
+    print(speed.summary("xtl", "transformers"))
+    print(cpu.summary("xtl", "transformers"))
+    print(memory.summary("xtl", "transformers"))
+    print("where the time goes (median per timed step):")
+    for name, results in timed.items():
+        print(_breakdown(name, results))
+    ratio, mem = statistics.median(speed.ratios), statistics.median(memory.ratios)
+    if args.recipe == "tiny" and precision == "bf16-mixed":
+        reached = ratio >= TARGET_SPEED and mem <= TARGET_MEMORY
         print(
-            f"steps: {args.steps} per side (first excluded) | xtl: 1 pack of {args.pack} tokens/step | transformers: "
-            f"batch {cfg.hf_batch}, pad-to-longest, {args.hf_sampling} order"
+            f"acceptance (tiny, bf16): useful tok/s {ratio:.2f}x (>= {TARGET_SPEED}) at peak RSS {mem:.2f}x "
+            f"(<= {TARGET_MEMORY}): {'reached' if reached else 'NOT reached'}"
         )
-        sides = {"xtl": run_xtl, "transformers": run_transformers}
-        runs: dict[str, list[SideResult]] = {name: [] for name in sides}
-        for i in range(args.rounds):
-            for name in sides if i % 2 == 0 else reversed(sides):
-                runs[name].append(_in_child(sides[name], cfg))
-                if args.rounds > 1:
-                    print(_line(runs[name][-1], f"{name} #{i + 1}"), flush=True)
-        elapsed = time.perf_counter() - start
-
-    xtl, hf = (_best(runs[name]) for name in sides)
-    if args.rounds > 1:
-        print(f"best of {args.rounds} runs per side (peak RSS: largest):")
-    print(_line(xtl))
-    print(_line(hf))
-    ratio = xtl.useful_tok_s / max(hf.useful_tok_s, 1e-9)
-    cpu_ratio = xtl.useful_tok_cpu_s / max(hf.useful_tok_cpu_s, 1e-9)
-    print(
-        f"ratio xtl/transformers useful tok/s = {ratio:.2f} (target >= {TARGET_RATIO}); per CPU second: "
-        f"{cpu_ratio:.2f}"
-    )
-    mem = xtl.peak_rss_bytes / max(hf.peak_rss_bytes, 1)
-    verdict = "PASS" if ratio >= TARGET_RATIO else "FAIL"
-    print(
-        f"verdict: {verdict}: xtl trains {ratio:.2f}x the useful tokens/s of pad-to-longest transformers.Trainer "
-        f"(fill {xtl.fill:.2f} vs {hf.fill:.2f}) at {mem:.2f}x its peak RSS"
-    )
-    print(
-        f"(total {elapsed:.0f} s; load average {load_before:.2f} before, {os.getloadavg()[0]:.2f} after; parent "
-        f"peak RSS {_gib(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)})"
-    )
+    print(f"total {time.perf_counter() - start:.0f} s; load average after: {load_average()}")
 
 
-def _best(runs: list[SideResult]) -> SideResult:
-    """The fastest run, carrying the largest peak memory of all runs."""
-    best = max(runs, key=lambda r: r.useful_tok_s)
-    return replace(
-        best,
-        peak_rss_bytes=max(r.peak_rss_bytes for r in runs),
-        vm_hwm_bytes=max(r.vm_hwm_bytes for r in runs),
+def _print_setup(cfg: BenchConfig, info: dict[str, Any]) -> None:
+    report, hf = info["xtl_report"], cfg.hf
+    xtl_cut = f"{report['truncated_overlong']} samples truncated ({report['truncated_tokens']} tokens cut)"
+    if report["dropped_overlong"]:
+        xtl_cut += f", {report['dropped_overlong']} dropped"
+    precision = "bf16-mixed (fp32 weights, CPU autocast bf16)" if cfg.precision == "bf16-mixed" else "fp32"
+    hf_tokens_per_step = cfg.hf_batch * cfg.hf_accum * info["hf_mean"]
+    print(f"recipe {cfg.recipe}: model {info['model']}, {info['params'] / 1e6:.2f}M params")
+    print(
+        f"data: {', '.join(info['sources'])} | xtl: {report['documents']} documents, {report['tokens']} tokens | "
+        f"transformers: {info['hf_samples']} samples, {info['hf_tokens']} tokens (mean {info['hf_mean']:.1f}, "
+        f"median {info['hf_median']:.0f}, max {info['hf_max']})"
+    )
+    print(f"{cfg.steps} steps per run (step 1 excluded), threads {cfg.threads} per child")
+    if cfg.hf_sampling == "group_by_length" and (cfg.steps - 1) % HF_MEGABATCH:
+        print(
+            f"note: transformers' length-grouped sampler serves each megabatch of {HF_MEGABATCH} batches longest "
+            f"first; {cfg.steps - 1} timed steps are not whole megabatches, so its tokens/step are biased (use "
+            f"--steps {HF_MEGABATCH * max(1, round((cfg.steps - 1) / HF_MEGABATCH)) + 1})"
+        )
+    print_configs(
+        xtl={
+            "runs": f"xtl fit --config {TINY_RECIPE.relative_to(ROOT)} " + " ".join(cfg.xtl_args[2:]),
+            "precision": precision,
+            "batch": f"{info['micro_batches']} packs x {info['pack']} tokens per step "
+            f"(~{info['xtl_tokens_per_step']:.0f} useful tokens)",
+            "ordering": f"{info['sampler']} pack order",
+            "packing": f"best-fit, plan fill {report['fill_ratio']:.3f}, packs padded to {info['pack']} [xtl-only]",
+            "truncation": f"overlong {info['overlong']} at {info['pack']}: {xtl_cut}",
+            "template": info["template"],
+            "attention": "sdpa per document",
+            "head+loss": "fused chunked LM head + CE, no logits materialized [xtl-only]",
+            "loss tokens": "assistant turns",
+            "optimizer": f"fused AdamW lr {hf['lr']}, wd {hf['weight_decay']}, clip {hf['max_grad_norm']}",
+            "logging": "CSVLogger every step (recipe)",
+        },
+        transformers={
+            "runs": "transformers.Trainer (use_cpu=True)",
+            "precision": "bf16=True (accelerate CPU autocast bf16, fp32 weights)"
+            if cfg.precision == "bf16-mixed"
+            else "fp32",
+            "batch": f"{cfg.hf_batch} samples x {cfg.hf_accum} accumulation per step "
+            f"(~{hf_tokens_per_step:.0f} useful tokens)",
+            "ordering": f"train_sampling_strategy={cfg.hf_sampling}",
+            "packing": "none: pad to longest in batch (DataCollatorForSeq2Seq)",
+            "truncation": f"{hf['max_length']} tokens: {info['hf_cut_samples']} samples truncated "
+            f"({info['hf_cut_tokens']} tokens cut)",
+            "template": "tokenizer chat template, batched datasets.map",
+            "attention": "sdpa",
+            "head+loss": "full logits, ForCausalLMLoss",
+            "loss tokens": "all tokens (labels = input_ids)",
+            "optimizer": f"adamw_torch_fused lr {hf['lr']}, wd {hf['weight_decay']}, clip {hf['max_grad_norm']}",
+            "logging": "none",
+        },
     )
 
 

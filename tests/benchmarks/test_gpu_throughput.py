@@ -1,0 +1,68 @@
+"""The CPU-testable parts of ``benchmarks/gpu_throughput.py``: arguments, configuration matrix, FLOPs and MFU."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from xtl.model.dims import ModelDims
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def _bench() -> ModuleType:
+    """Import the script as its own directory's module (it imports the shared ``_paired`` by name)."""
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.insert(0, str(BENCHMARKS))
+    return importlib.import_module("gpu_throughput")
+
+
+class TestGpuThroughput:
+    def test_default_matrix_covers_every_model_pack_and_configuration(self) -> None:
+        bench = _bench()
+        runs = bench.parse_args([]).matrix
+        assert len(runs) == 2 * 2 * 6
+        assert [(r.model, r.seq) for r in runs[:7:6]] == [("dense", 4096), ("dense", 16384)]
+        names = [r.name for r in runs[:6]]
+        assert names == ["baseline", "flash", "ckpt", "compile", "fp8", "flash+compile+fp8"]
+        assert [r.attn_impl for r in runs[:2]] == ["sdpa", "flash"]
+
+    def test_feature_order_and_duplicates_do_not_change_the_matrix(self) -> None:
+        bench = _bench()
+        runs = bench.parse_args(["--models", "moe", "--seqs", "4096", "--configs", "fp8+flash,flash+fp8"]).matrix
+        assert [r.name for r in runs] == ["flash+fp8"]
+
+    @pytest.mark.parametrize("argv", [["--configs", "baseline,turbo"], ["--models", "dense,big"], ["--steps", "4"]])
+    def test_bad_arguments_exit_2(self, argv: list[str]) -> None:
+        with pytest.raises(SystemExit) as err:
+            _bench().parse_args(argv)
+        assert err.value.code == 2
+
+    def test_document_lengths_fill_the_pack(self) -> None:
+        bench = _bench()
+        lengths = bench.document_lengths(16384, 2048)
+        assert sum(lengths) == 16384 and len(set(lengths)) > 1
+        assert all(1 <= n <= 3072 for n in lengths) and all(n >= 1024 for n in lengths[:-1])
+        assert lengths == bench.document_lengths(16384, 2048)  # seeded
+        assert bench.document_lengths(4096, 0) == [4096] == bench.document_lengths(4096, 8192)
+
+    def test_flops_and_mfu_come_from_model_dims(self) -> None:
+        bench = _bench()
+        dims = ModelDims.from_config(bench.model_config("dense"))
+        per_step = bench.flops_per_step(dims, [2048, 2048, 904])
+        assert per_step == pytest.approx(2 * 2048 * dims.flops_per_token(2048) + 904 * dims.flops_per_token(904))
+        flops_per_token = bench.flops_per_step(dims, [4096]) / 4096
+        assert flops_per_token == pytest.approx(dims.flops_per_token(4096))
+        assert bench.mfu(20_000.0, flops_per_token, 989.0) == pytest.approx(20_000 * flops_per_token / 989e12)
+
+    def test_without_cuda_it_exits_2_before_building(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        import torch
+
+        bench = _bench()
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+        monkeypatch.setattr(bench, "measure", lambda *a: pytest.fail("measured without CUDA"))
+        assert bench.main(["--models", "dense", "--seqs", "4096", "--configs", "baseline"]) == 2
