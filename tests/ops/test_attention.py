@@ -99,14 +99,18 @@ class TestFlashAttention:
 
 
 def _per_document_sdpa(q, k, v, bounds, scale):
-    """The previous packed path: one SDPA call per document (the reference the grouped path must equal)."""
+    """The previous packed path: one SDPA call per document (the reference the grouped path must equal); short
+    16-bit documents in fp32 on CPU, as the packed path does."""
+    dtype = q.dtype
+    if dtype != torch.float32:
+        q, k, v = q.float(), k.float(), v.float()
     outs = [
         torch.nn.functional.scaled_dot_product_attention(
             q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
         )
         for s, e in zip(bounds[:-1], bounds[1:])
     ]
-    return torch.cat(outs, dim=2).transpose(1, 2).contiguous()
+    return torch.cat(outs, dim=2).transpose(1, 2).contiguous().to(dtype)
 
 
 def _packed(lengths, **kwargs):
@@ -197,3 +201,16 @@ class TestPackedSdpa:
         assert band is mask.with_window(2).banded_causal_mask(4, torch.device("cpu"))
         expected = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [0, 1, 1, 0], [0, 0, 1, 1]], dtype=torch.bool)
         assert torch.equal(band, expected)
+
+
+class TestCpuShortDocumentsInFp32:
+    def test_short_bf16_documents_are_attended_in_fp32_and_cast_back(self):
+        from xtl.ops.attention import AttentionMaskSpec, sdpa_attention
+
+        generator = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(1, 4, 96, 16, generator=generator) for _ in range(3))
+        mask = AttentionMaskSpec(doc_bounds=[0, 30, 60, 96])
+        out = sdpa_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask, 0.25)
+        reference = sdpa_attention(q.bfloat16().float(), k.bfloat16().float(), v.bfloat16().float(), mask, 0.25)
+        assert out.dtype == torch.bfloat16
+        assert torch.equal(out, reference.bfloat16()), "fp32 math on the bf16 inputs, rounded once at the end"

@@ -45,8 +45,8 @@ class HFParityCheck(pl.Callback):
         mode: ``hf_impl``: the xtl model runs with transformers' exact ops (the HF-parity selectors of
             ``xtl.ops.hf_impl``, switched on for the check only) and the reference's call shapes, in the
             parameters' dtype without the run's autocast (``bf16-mixed`` runs are checked in fp32); bitwise
-            equality is expected. ``fast``: the run's own ops on the packed micro-batch, compared with the bounds of the
-            compute dtype.
+            equality is expected. ``fast``: the run's own ops on the packed micro-batch, compared with the bounds
+            of the compute dtype.
         tolerance: ``auto`` (``bitwise`` for ``hf_impl``; ``bf16`` or ``fp32`` by compute dtype for ``fast``) or
             a preset: ``bitwise``, ``fp32``, ``bf16``, ``fp8`` (fp8 training against the bf16 reference).
         tolerances: Bounds replacing the preset's: ``hidden``, ``logits``, ``loss``, ``grad``.
