@@ -19,6 +19,7 @@ does not do (sinks, padding masks, cached keys; for ``varlen`` also dropout, fp3
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -28,6 +29,8 @@ import torch.nn.functional as F
 
 from xtl.ops.selector import hf_impl_enabled
 
+# packed documents are padded to a multiple of this many tokens and attended a bucket at a time
+DOC_LENGTH_BUCKET = 16
 ATTN_IMPLS = ("auto", "eager", "sdpa", "flash", "varlen")
 
 # What torch's varlen kernel (FlashAttention 2) takes: half-precision inputs, head dims up to 256 in steps of 8.
@@ -288,38 +291,69 @@ def attend_by_document_length(
     v: torch.Tensor,
     bounds: Sequence[int],
     attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    bucket: int = DOC_LENGTH_BUCKET,
 ) -> torch.Tensor:
-    """Run ``attend`` once per distinct document length, documents of equal length stacked along the batch.
+    """Run ``attend`` once per document-length bucket, the documents of a bucket stacked along the batch.
+
+    Documents are right-padded to their bucket's length (a multiple of ``bucket``): causal attention never lets a
+    real query see a later (padded) key, so padding changes no real output, and a pack of many short documents
+    takes a few calls instead of one per distinct length. Each bucket is one gather per input along the tokens and
+    one per output (their backward is one scatter each), with the index tensors built on the host.
 
     Args:
         q: Queries ``(B, H, T, D)``.
         k: Keys ``(B, Hkv, T, D)``.
         v: Values ``(B, Hkv, T, Dv)``.
         bounds: Document boundaries as host ints, ``0 = bounds[0] < ... < bounds[-1] = T``.
-        attend: Attention within documents: ``(n, H, L, D)`` inputs to an ``(n, L, H, Dv)`` output.
+        attend: Causal attention within documents: ``(n, H, L, D)`` inputs to an ``(n, L, H, Dv)`` output.
+        bucket: Padded document lengths are multiples of this (1: exact lengths, no padding).
 
     Returns:
         ``(B, T, H, Dv)``, contiguous: each document's output in its place.
     """
-    lengths = [end - start for start, end in zip(bounds[:-1], bounds[1:])]
-    if len(lengths) == 1:
+    if len(bounds) == 2:
         return attend(q, k, v).contiguous()
-    # split/cat rather than slicing: their backward is one cat/view each, where every slice's backward would
-    # allocate a zero gradient of the whole input (O(documents x T))
-    docs_q, docs_k, docs_v = (t.split(lengths, dim=2) for t in (q, k, v))
-    by_length: dict[int, list[int]] = {}
-    for doc, length in enumerate(lengths):
-        by_length.setdefault(length, []).append(doc)
-    pieces: dict[int, torch.Tensor] = {}  # document index -> its (B, L, H, Dv) output
-    for group in by_length.values():
-        if len(group) == 1:  # a length seen once: attend the document's views, no copy
-            doc = group[0]
-            pieces[doc] = attend(docs_q[doc], docs_k[doc], docs_v[doc])
-            continue
-        out = attend(*(torch.cat([docs[doc] for doc in group]) for docs in (docs_q, docs_k, docs_v)))
-        for doc, piece in zip(group, out.split(q.shape[0])):
-            pieces[doc] = piece
-    return torch.cat([pieces[doc] for doc in range(len(lengths))], dim=1)
+    plan = _bucket_plan(tuple(bounds), bucket, q.device)
+    batch, outs = q.shape[0], []
+    for gather, valid, docs, length in plan.buckets:
+        inputs = [
+            t.index_select(2, gather).unflatten(2, (docs, length)).transpose(1, 2).flatten(0, 1) for t in (q, k, v)
+        ]
+        out = attend(*inputs)  # (B * docs, L, H, Dv)
+        outs.append(out.reshape(batch, docs * length, *out.shape[2:]).index_select(1, valid))
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+    return out.index_select(1, plan.inverse)
+
+
+@dataclass(frozen=True)
+class _BucketPlan:
+    """Index tensors of :func:`attend_by_document_length`: per bucket ``(gather, valid, docs, length)``, and the
+    permutation from bucket order back to token order."""
+
+    buckets: list[tuple[torch.Tensor, torch.Tensor, int, int]]
+    inverse: torch.Tensor
+
+
+@functools.lru_cache(maxsize=64)
+def _bucket_plan(bounds: tuple[int, ...], bucket: int, device: torch.device) -> _BucketPlan:
+    """Built on the host once per distinct packing (every layer of a forward shares it)."""
+    groups: dict[int, list[int]] = {}
+    for doc, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+        groups.setdefault(-(-(end - start) // bucket) * bucket, []).append(doc)
+    buckets, order = [], []
+    for length, docs in groups.items():
+        gather, valid = [], []
+        for slot, doc in enumerate(docs):
+            start, end = bounds[doc], bounds[doc + 1]
+            # padded positions repeat the document's last token: hidden from every real query by causality
+            gather += [min(start + i, end - 1) for i in range(length)]
+            valid += range(slot * length, slot * length + end - start)
+            order += range(start, end)
+        as_index = functools.partial(torch.tensor, dtype=torch.long)
+        buckets.append((as_index(gather).to(device), as_index(valid).to(device), len(docs), length))
+    inverse = torch.empty(len(order), dtype=torch.long)
+    inverse[torch.tensor(order)] = torch.arange(len(order))
+    return _BucketPlan(buckets, inverse.to(device))
 
 
 # CPU SDPA's 16-bit kernels lose to fp32 on short documents (1 thread, fwd+bwd, bf16 -> fp32 time: 0.27x at
