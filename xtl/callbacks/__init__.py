@@ -6,6 +6,8 @@ from xtl.callbacks.compile import Compile
 from xtl.callbacks.fp8 import FP8Training
 from xtl.callbacks.generation_eval import GenerationEval
 from xtl.callbacks.hf_export import HFExport
+from xtl.callbacks.lora import LoRA
+from xtl.callbacks.qlora import QLoRA
 from xtl.callbacks.parity_check import HFParityCheck
 from xtl.callbacks.progress import StepProgressBar
 from xtl.callbacks.throughput import Throughput
@@ -18,7 +20,9 @@ __all__ = [
     "GenerationEval",
     "HFExport",
     "HFParityCheck",
+    "LoRA",
     "OffloadStats",
+    "QLoRA",
     "StepProgressBar",
     "Throughput",
 ]

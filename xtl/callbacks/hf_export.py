@@ -8,8 +8,15 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from xtl.model.hf import DEFAULT_MAX_SHARD_SIZE, FP8_FORMATS, copy_side_files
+from xtl.callbacks.lora import LoRA
+from xtl.errors import ConfigError
+from xtl.model import BaseModel
+from xtl.model.hf import DEFAULT_MAX_SHARD_SIZE, FP8_FORMATS, copy_side_files, save_hf_weights
+from xtl.model.hf.peft_adapter import merge_lora_transform, peft_module_paths, peft_target_modules, save_peft_adapter
+from xtl.module.lora import lora_layers
 from xtl.utils import resolve_path
+
+LORA_EXPORTS = ("merged", "adapter", "both")
 
 
 class HFExport(pl.Callback):
@@ -18,6 +25,12 @@ class HFExport(pl.Callback):
     Under FSDP every rank takes part (each parameter is gathered once, one at a time) and rank 0 writes, so the
     full model never sits on every rank. The tokenizer of the datamodule is copied into each export so the
     directory loads with ``AutoTokenizer`` and ``AutoModelForCausalLM``.
+
+    A model with LoRA adapters (:class:`~xtl.callbacks.LoRA`) is exported as ``lora`` says: ``merged`` writes the
+    HF model with each adapted weight replaced by ``W + scaling * B @ A`` (fp32 math, then the export dtype);
+    ``adapter`` writes a PEFT adapter directory instead (``adapter_config.json`` + ``adapter_model.safetensors``,
+    loadable with ``peft.PeftModel.from_pretrained`` on the base model); ``both`` writes the merged model with the
+    adapter in its ``adapter`` subdirectory. Without adapters ``lora`` has no effect.
 
     Args:
         dirpath: Export root (default ``<trainer.default_root_dir>/hf``); exports go to ``step_<N>`` and ``final``.
@@ -28,9 +41,11 @@ class HFExport(pl.Callback):
         fp8: ``blockwise`` writes the large linear weights as 128x128 block-quantized fp8 with ``_scale_inv``
             scales and a ``quantization_config`` (the format of ``xtl convert to-fp8``, DeepSeek-V3 and
             Qwen3-FP8 releases); ``null`` (default) writes every tensor in ``dtype``.
+        lora: ``merged`` (default), ``adapter`` or ``both`` (see above). The adapter factors keep their parameter
+            dtype unless ``dtype`` is set.
 
     Raises:
-        ValueError: ``fp8`` is not ``null`` or ``blockwise``.
+        ValueError: ``fp8`` is not ``null`` or ``blockwise``, or ``lora`` is not one of the three.
     """
 
     def __init__(
@@ -41,15 +56,19 @@ class HFExport(pl.Callback):
         max_shard_size: str = DEFAULT_MAX_SHARD_SIZE,
         dtype: str | None = None,
         fp8: str | None = None,
+        lora: str = "merged",
     ) -> None:
         if fp8 is not None and fp8 not in FP8_FORMATS:
             raise ValueError(f"HFExport fp8 must be null or one of {FP8_FORMATS}; got {fp8!r}")
+        if lora not in LORA_EXPORTS:
+            raise ConfigError(f"HFExport lora must be one of {LORA_EXPORTS}; got {lora!r}")
         self.dirpath = dirpath
         self.every_n_steps = every_n_steps
         self.at_end = at_end
         self.max_shard_size = max_shard_size
         self.dtype = dtype
         self.fp8 = fp8
+        self.lora = lora
         self.exported: list[Path] = []
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
@@ -64,14 +83,50 @@ class HFExport(pl.Callback):
             self.export(trainer, pl_module, "final")
 
     def export(self, trainer: pl.Trainer, pl_module: pl.LightningModule, name: str) -> Path:
-        """Export now to ``<dirpath>/<name>`` and return the path."""
+        """Export now to ``<dirpath>/<name>`` and return the path (every rank must call this)."""
         root = Path(self.dirpath) if self.dirpath else Path(trainer.default_root_dir) / "hf"
         target = root / name
         dtype = getattr(torch, self.dtype) if self.dtype else None
-        pl_module.model.save_hf(target, max_shard_size=self.max_shard_size, dtype=dtype, fp8=self.fp8)
+        model: BaseModel = pl_module.model
+        adapted = next(lora_layers(model), None) is not None
+        written = []
+        if not adapted:
+            model.save_hf(target, max_shard_size=self.max_shard_size, dtype=dtype, fp8=self.fp8)
+            written.append(target)
+        if adapted and self.lora in ("merged", "both"):
+            save_hf_weights(
+                model,
+                target,
+                self.max_shard_size,
+                dtype,
+                source_dir=model._hf_path,
+                fp8=self.fp8,
+                tensor_transform=merge_lora_transform(model),
+            )
+            written.append(target)
+        if adapted and self.lora in ("adapter", "both"):
+            adapter_dir = target / "adapter" if self.lora == "both" else target
+            config = _adapter_config(trainer, model)
+            save_peft_adapter(model, adapter_dir, config, source_dir=model._hf_path, dtype=dtype)
+            written.append(adapter_dir)
         tokenizer = getattr(getattr(trainer, "datamodule", None), "tokenizer_path", None)
         if trainer.is_global_zero and tokenizer:
-            copy_side_files(resolve_path(tokenizer), target)
+            for out_dir in written:
+                copy_side_files(resolve_path(tokenizer), out_dir)
         trainer.strategy.barrier()
         self.exported.append(target)
         return target
+
+
+def _adapter_config(trainer: pl.Trainer, model: BaseModel) -> dict[str, Any]:
+    """``adapter_config.json`` of the model's adapters: from the trainer's LoRA callback, else from the layers."""
+    targets = peft_target_modules(model, peft_module_paths(model))
+    lora = next((cb for cb in trainer.callbacks if isinstance(cb, LoRA)), None)
+    if lora is None:
+        ranks = {layer.lora_A.out_features for _, layer in lora_layers(model)}
+        scalings = {layer.lora_scaling for _, layer in lora_layers(model)}
+        if len(ranks) != 1 or len(scalings) != 1:
+            raise ConfigError("HFExport lora: adapters of different ranks or scalings cannot share one PEFT config")
+        (rank,), (scaling,) = ranks, scalings
+        lora = LoRA(rank=rank, alpha=scaling * rank)
+    return lora.adapter_config(targets)

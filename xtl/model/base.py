@@ -57,8 +57,13 @@ class BaseModel(nn.Module):
         return [tensor] if n == 1 else list(tensor.chunk(n, dim=0))
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
-        """The parameters and persistent buffers that map to HF keys (tied parameters once)."""
-        tensors: dict[str, torch.Tensor] = dict(self.named_parameters())
+        """The parameters and persistent buffers that map to HF keys (tied parameters once).
+
+        Parameters of adapter modules (``is_adapter``, e.g. LoRA factors) are not part of the HF model: see
+        :meth:`adapter_tensors`.
+        """
+        adapters = self.adapter_tensors()
+        tensors: dict[str, torch.Tensor] = {k: v for k, v in self.named_parameters() if k not in adapters}
         non_persistent = {
             f"{prefix}.{name}" if prefix else name
             for prefix, module in self.named_modules()
@@ -66,6 +71,16 @@ class BaseModel(nn.Module):
         }
         tensors.update({k: v for k, v in self.named_buffers() if k not in non_persistent})
         return tensors
+
+    def adapter_tensors(self) -> dict[str, torch.Tensor]:
+        """Parameters of adapter modules (``is_adapter``): xtl-only weights with no HF key, initialized by their
+        modules' ``init_param`` after every load or initialization of the model."""
+        return {
+            f"{prefix}.{name}" if prefix else name: param
+            for prefix, module in self.named_modules()
+            if getattr(module, "is_adapter", False)
+            for name, param in module.named_parameters(recurse=False)
+        }
 
     # ---- loading --------------------------------------------------------------------------------------------
 
@@ -144,7 +159,7 @@ class BaseModel(nn.Module):
         """
         if any(t.is_meta for t in self.checkpoint_tensors().values()):
             self.materialize("cpu")
-        self._init_named(list(self.checkpoint_tensors()))
+        self._init_named([*self.checkpoint_tensors(), *self.adapter_tensors()])
 
     @torch.no_grad()
     def _init_named(self, names: list[str]) -> None:
@@ -156,7 +171,7 @@ class BaseModel(nn.Module):
         std = self.config.initializer_range
         base_seed = torch.initial_seed()
         modules = dict(self.named_modules())
-        tensors = self.checkpoint_tensors()
+        tensors = {**self.checkpoint_tensors(), **self.adapter_tensors()}
         for name in names:
             module_name, _, attr = name.rpartition(".")
             module, tensor = modules[module_name], tensors[name]

@@ -7,7 +7,8 @@ A meta-device model becomes a trainable one in exactly this order (``Parallelizi
 3. compile (``TransformStage.COMPILE``);
 4. expert parallelism (``ParallelizingStrategy.apply_expert_parallel``: experts split, dispatcher installed);
 5. data-parallel sharding (``ParallelizingStrategy.apply_data_parallel``: FSDP2 over the model's shard units);
-6. weight load (``from_hf``) or seeded initialization, then the parameter dtype.
+6. weight load (``from_hf``) or seeded initialization, then the parameter dtype;
+7. each transform's ``after_weights`` (same order as 1-3), e.g. quantizing frozen base weights for QLoRA.
 
 The two protocols are abstract base classes, so taking part is declared by subclassing, never discovered:
 
@@ -59,6 +60,11 @@ class ModelTransform(ABC):
     def transform_model(self, model: BaseModel) -> BaseModel:
         """Return the transformed model (the same object, changed in place, or a new one)."""
 
+    def after_weights(self, model: BaseModel) -> BaseModel:
+        """Called once the weights are loaded or initialized and the dtype set (e.g. to quantize frozen weights);
+        returns the model (default: unchanged)."""
+        return model
+
 
 @dataclass
 class WeightSource:
@@ -97,7 +103,10 @@ class ParallelizingStrategy(ABC):
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(weights.seed)
                 model.init_weights()
-        return self.apply_param_dtype(model, weights.dtype)
+        model = self.apply_param_dtype(model, weights.dtype)
+        for transform in sorted(transforms, key=lambda t: t.transform_stage):
+            model = transform.after_weights(model)
+        return model
 
     def apply_expert_parallel(self, model: BaseModel) -> BaseModel:
         """Split routed experts over the expert-parallel ranks (default: every expert stays on every rank)."""

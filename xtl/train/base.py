@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import warnings
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
@@ -96,6 +97,10 @@ class LanguageModule(pl.LightningModule):
         transforms = [cb for cb in self._trainer_callbacks() if isinstance(cb, ModelTransform)]
         weights = WeightSource(self.hf_dir, self.hparams.seed, getattr(torch, self.hparams.param_dtype))
         self.model = self.parallelizer.parallelize(model, transforms, weights)
+        frozen = self._frozen_state_keys()
+        if frozen:  # e.g. LoRA's base: checkpoints hold the trained weights only, the rest comes from the source
+            self.strict_loading = False
+            self.register_state_dict_post_hook(partial(_drop_keys, keys=frozen))
 
     @property
     def parallelizer(self) -> ParallelizingStrategy:
@@ -275,6 +280,13 @@ class LanguageModule(pl.LightningModule):
 
     # ---- private ---------------------------------------------------------------------------------------------
 
+    def _frozen_state_keys(self) -> set[str]:
+        """State-dict keys of frozen parameters (LoRA's base weights): not saved in Lightning checkpoints."""
+        if self.model is None:
+            return set()
+        params = self.model.named_parameters(remove_duplicate=False)  # tied weights under every name
+        return {f"model.{name}" for name, param in params if not param.requires_grad}
+
     def _trainer_callbacks(self) -> list[pl.Callback]:
         return list(self._trainer.callbacks) if self._trainer is not None else []
 
@@ -378,6 +390,12 @@ class LanguageModule(pl.LightningModule):
         datamodule = getattr(self.trainer, "datamodule", None)
         names = getattr(datamodule, f"{stage}_set_names", None) or []
         return names[dataloader_idx] if dataloader_idx < len(names) else str(dataloader_idx)
+
+
+def _drop_keys(module: nn.Module, state_dict: dict[str, Any], prefix: str, metadata: Any, keys: set[str]) -> None:
+    """State-dict post hook: leave out frozen weights (they are rebuilt from the model source on resume)."""
+    for key in keys:
+        state_dict.pop(prefix + key, None)
 
 
 def _reopen_epoch(checkpoint: dict[str, Any]) -> None:

@@ -7,6 +7,7 @@ shape checks and strict errors, DTensor-aware copies, shard writing, side files 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -30,6 +31,7 @@ from xtl.model.hf.fp8 import (
 )
 from xtl.model.hf.reader import CheckpointReader
 from xtl.model.hf.writer import ShardWriter, copy_side_files
+from xtl.module.nf4 import dequantize, is_nf4
 from xtl.utils import atomic_directory
 
 if TYPE_CHECKING:
@@ -90,8 +92,9 @@ def load_hf_weights(
         unexpected = sorted(k for k in set(reader.keys()) - consumed if not model._ignorable_hf_key(k))
     if mismatched or (strict and (missing or unexpected)):
         raise CheckpointMismatchError(_mismatch_message(path, missing, unexpected, mismatched))
-    if missing_params:
-        model._init_named(missing_params)
+    adapters = list(model.adapter_tensors())  # xtl-only weights (LoRA factors): initialized, not loaded
+    if missing_params or adapters:
+        model._init_named(missing_params + adapters)
     return missing
 
 
@@ -102,6 +105,7 @@ def save_hf_weights(
     dtype: torch.dtype | None = None,
     source_dir: str | Path | None = None,
     fp8: str | None = None,
+    tensor_transform: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
 ) -> None:
     """Write an HF model directory: shards, index, ``config.json``, generation config and tokenizer files.
 
@@ -114,12 +118,15 @@ def save_hf_weights(
         max_shard_size: Upper bound per shard with a unit, e.g. ``"5GB"``.
         dtype: Cast floating-point tensors to this dtype (default: the config's ``dtype`` -- the source
             checkpoint's -- if set, else the parameter dtypes). Tensors a module declares in its ``keep_fp32``
-            attribute are always written in fp32.
+            attribute are always written in fp32. NF4 (QLoRA) base weights are written dequantized.
         source_dir: The HF directory the model was loaded from; its generation config and tokenizer files are
             copied.
         fp8: ``"blockwise"`` writes the tensors :func:`~xtl.model.hf.fp8.quantizable` selects as 128x128
             block-quantized fp8 with ``_scale_inv`` scales (after the ``dtype`` cast) and a ``quantization_config``;
             ``None`` writes every tensor in ``dtype``.
+        tensor_transform: ``(name, full) -> full`` applied to each full (gathered) checkpoint tensor before the
+            dtype cast, on every rank (it may run collectives), e.g. merging LoRA adapters
+            (:func:`~xtl.model.hf.peft_adapter.merge_lora_transform`).
 
     Raises:
         ShardSizeError: ``max_shard_size`` cannot be read (raised on every rank, before any collective).
@@ -137,6 +144,10 @@ def save_hf_weights(
         unquantized: list[str] = []
         for name, tensor in model.checkpoint_tensors().items():
             full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach()
+            if is_nf4(full):  # a QLoRA base weight: its NF4 values, dequantized
+                full = dequantize(full)
+            if tensor_transform is not None:
+                full = tensor_transform(name, full)
             if not is_writer:
                 continue
             if name in keep_fp32:

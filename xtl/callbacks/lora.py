@@ -1,0 +1,205 @@
+"""LoRA finetuning as a model transform: frozen base weights, trainable low-rank adapters."""
+
+from __future__ import annotations
+
+import fnmatch
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.utilities import rank_zero_info
+from torch import nn
+
+from xtl.errors import ConfigError
+from xtl.model import BaseModel
+from xtl.model.hf.peft_adapter import (
+    ADAPTER_CONFIG,
+    hf_module_path,
+    load_peft_adapter,
+    peft_target_matches,
+    read_adapter_config,
+)
+from xtl.module.lora import LORA_INITS, add_lora, lora_layers
+from xtl.module.nf4 import QUANTIZE_BASE, quantize_base_weights
+from xtl.strategies.parallelize import ModelTransform, ShardedStrategyMixin, TransformStage
+from xtl.utils import resolve_path
+
+DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoRA(pl.Callback, ModelTransform):
+    """Freeze the model and train low-rank adapters on the selected linear layers (PEFT's LoRA).
+
+    Applied first in the strategy's ``parallelize`` sequence (stage MODEL, on the ``meta`` model): every parameter
+    is frozen, then each ``nn.Linear`` whose name matches ``target_modules`` gets ``lora_A``/``lora_B`` factors
+    (:mod:`xtl.module.lora`). Base parameter names do not change, so HF weights load as before; the adapters
+    initialize themselves after the load (``B = 0``: the first forward equals the base model's). Only the adapters
+    get gradients, optimizer state and weight decay; Lightning checkpoints keep only trainable parameters (the
+    frozen ones come back from the model source on resume). The number of trainable parameters is printed at
+    the start of the fit.
+
+    With the default targets a dense model adapts attention (q/k/v/o) and MLP projections; an MoE model adapts
+    attention, dense MLPs and shared experts (grouped routed experts are not ``nn.Linear`` and stay frozen).
+
+    With ``adapter_path`` training continues from a PEFT LoRA adapter: its ``adapter_config.json`` replaces
+    ``rank``, ``alpha``, ``dropout``, ``target_modules`` and ``use_rslora`` (the arguments given here are ignored;
+    ``target_modules`` then follow PEFT's rule on the HF module names), and its ``adapter_model.safetensors`` is
+    loaded into the adapters once the model's weights are loaded (:meth:`after_weights`). Settings xtl cannot
+    reproduce (DoRA, biases, ``modules_to_save``, per-module ranks, ...) are refused with the file and key named.
+
+    QLoRA (``quantize_base: nf4``): once the weights are loaded (:meth:`after_weights`), the frozen base weights of
+    the adapted layers are stored in 4-bit NF4 (:mod:`xtl.module.nf4`, torchao's ``NF4Tensor``, about 4.13 bits per
+    weight) and dequantized to the compute dtype in each matmul; the adapters keep the parameter dtype. Layers
+    whose weight NF4 cannot store (element count not a multiple of 16384) stay in their dtype, with a note. Single
+    device only for now (a sharded strategy is refused).
+
+    Args:
+        rank: Adapter rank ``r``.
+        alpha: ``lora_alpha``; the update is scaled by ``alpha / r`` (``alpha / sqrt(r)`` with ``use_rslora``).
+        dropout: Dropout on the adapter input during training.
+        target_modules: Layer names or ``fnmatch`` patterns, matched against the full module name
+            (``layers.0.self_attn.q_proj``) or its last part (``q_proj``).
+        use_rslora: Rank-stabilized scaling ``alpha / sqrt(r)``.
+        init: ``kaiming`` (PEFT's default) or ``gaussian`` initialization of ``lora_A``; ``lora_B`` starts at zero.
+        adapter_path: A PEFT LoRA adapter directory to continue from (overrides the settings above).
+        quantize_base: ``nf4`` stores the frozen base weights in NF4 (QLoRA); ``None`` keeps their dtype.
+        quantize_all_linear: With ``quantize_base``, quantize every frozen linear layer except the LM head, not
+            only the adapted ones.
+
+    Raises:
+        ConfigError: A setting is out of range, or ``adapter_path``'s config is missing or unsupported.
+    """
+
+    transform_stage = TransformStage.MODEL
+
+    def __init__(
+        self,
+        rank: int = 8,
+        alpha: float = 16.0,
+        dropout: float = 0.0,
+        target_modules: list[str] | None = None,
+        use_rslora: bool = False,
+        init: str = "kaiming",
+        adapter_path: str | None = None,
+        quantize_base: str | None = None,
+        quantize_all_linear: bool = False,
+    ) -> None:
+        if rank < 1:
+            raise ConfigError(f"LoRA.rank must be >= 1, got {rank}")
+        if not 0.0 <= dropout < 1.0:
+            raise ConfigError(f"LoRA.dropout must be in [0, 1), got {dropout}")
+        if init not in LORA_INITS:
+            raise ConfigError(f"LoRA.init must be one of {LORA_INITS}, got {init!r}")
+        if quantize_base is not None and quantize_base not in QUANTIZE_BASE:
+            raise ConfigError(f"LoRA.quantize_base must be null or one of {QUANTIZE_BASE}, got {quantize_base!r}")
+        self.rank = rank
+        self.alpha = alpha
+        self.dropout = dropout
+        self.target_modules = list(target_modules) if target_modules is not None else list(DEFAULT_TARGETS)
+        self.use_rslora = use_rslora
+        self.init = init
+        self.adapter_path = adapter_path
+        self.quantize_base = quantize_base
+        self.quantize_all_linear = quantize_all_linear
+        self._peft_targets: list[str] | str | None = None  # target_modules of the adapter's config (PEFT's rule)
+        if adapter_path is not None:
+            self._use_adapter_config(Path(resolve_path(adapter_path)))
+
+    def transform_model(self, model: BaseModel) -> BaseModel:
+        """Freeze every parameter and attach adapters to the matching linear layers (in place)."""
+        model.requires_grad_(False)
+        targets = [
+            (name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear) and self._is_target(model, name)
+        ]
+        if not targets:
+            linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)})
+            where = "LoRA.target_modules" if self._peft_targets is None else f"target_modules of {self._config_file}"
+            raise ConfigError(
+                f"{where} {self.target_modules} match no linear layer of {type(model).__name__}; "
+                f"its linear layers are named {linear}"
+            )
+        for _, layer in targets:
+            add_lora(layer, self.rank, self.alpha, self.dropout, self.use_rslora, self.init)
+        return model
+
+    def matches(self, name: str) -> bool:
+        """Whether the module ``name`` is a target."""
+        last = name.rsplit(".", 1)[-1]
+        return any(fnmatch.fnmatchcase(name, p) or fnmatch.fnmatchcase(last, p) for p in self.target_modules)
+
+    def after_weights(self, model: BaseModel) -> BaseModel:
+        """Load ``adapter_path``'s factors into the adapters (initialized with the weights, overwritten here); with
+        ``quantize_base``, store the frozen base weights in NF4 (:func:`xtl.module.nf4.quantize_base_weights`)."""
+        if self.adapter_path is not None:
+            load_peft_adapter(model, self._config_file.parent)
+            rank_zero_info(f"LoRA: loaded adapter {self._config_file.parent}")
+        if self.quantize_base is not None:
+            rank_zero_info(quantize_base_weights(model, self.quantize_all_linear))
+        return model
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Refuse QLoRA under a sharded strategy before any weight is loaded."""
+        if self.quantize_base is not None and isinstance(trainer.strategy, ShardedStrategyMixin):
+            raise ConfigError(
+                f"LoRA.quantize_base {self.quantize_base} (QLoRA) is single-device for now: drop quantize_base under "
+                f"{type(trainer.strategy).__name__}, or train on one device"
+            )
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Print how many parameters train."""
+        trainable, total = trainable_parameters(pl_module.model)
+        layers = sum(1 for _ in lora_layers(pl_module.model))
+        rank_zero_info(
+            f"LoRA: r={self.rank}, alpha={self.alpha:g} on {layers} layers; trainable parameters {trainable:,} of "
+            f"{total:,} ({100.0 * trainable / max(total, 1):.2f}%)"
+        )
+
+    def adapter_config(self, target_modules: list[str]) -> dict[str, Any]:
+        """PEFT's ``adapter_config.json`` content for these settings and the adapted (HF) module names."""
+        return {
+            "peft_type": "LORA",
+            "task_type": "CAUSAL_LM",
+            "r": self.rank,
+            "lora_alpha": self.alpha,
+            "lora_dropout": self.dropout,
+            "target_modules": sorted(target_modules),
+            "use_rslora": self.use_rslora,
+            "init_lora_weights": True if self.init == "kaiming" else "gaussian",
+            "bias": "none",
+            "fan_in_fan_out": False,
+            "modules_to_save": None,
+            "inference_mode": True,
+        }
+
+    def _use_adapter_config(self, adapter_dir: Path) -> None:
+        config = read_adapter_config(adapter_dir)
+        self._config_file = adapter_dir / ADAPTER_CONFIG
+        self.rank = config["r"]
+        self.alpha = config["lora_alpha"]
+        self.dropout = config.get("lora_dropout", 0.0)
+        self.use_rslora = bool(config.get("use_rslora", False))
+        targets = config["target_modules"]
+        self._peft_targets = targets if isinstance(targets, str) else list(targets)
+        self.target_modules = [targets] if isinstance(targets, str) else list(targets)
+        if config.get("init_lora_weights") == "gaussian":
+            self.init = "gaussian"
+
+    def _is_target(self, model: BaseModel, name: str) -> bool:
+        if self._peft_targets is None:
+            return self.matches(name)
+        if self._peft_targets == "all-linear" and name.rsplit(".", 1)[-1] == "lm_head":  # PEFT skips the output
+            return False
+        try:
+            path = hf_module_path(model, name)
+        except ConfigError:  # no HF linear of its own: never a PEFT target
+            return False
+        return peft_target_matches(self._peft_targets, path)
+
+
+def trainable_parameters(model: nn.Module) -> tuple[int, int]:
+    """``(trainable, total)`` parameter counts (global sizes for sharded parameters)."""
+    trainable = total = 0
+    for param in model.parameters():
+        total += param.numel()
+        trainable += param.numel() if param.requires_grad else 0
+    return trainable, total

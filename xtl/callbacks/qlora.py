@@ -1,0 +1,59 @@
+"""QLoRA as a config fragment: NF4 base weights for the adapters of the run's ``LoRA`` callback."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+from lightning.pytorch.utilities import rank_zero_info
+
+from xtl.callbacks.lora import LoRA
+from xtl.errors import ConfigError
+from xtl.model import BaseModel
+from xtl.module.nf4 import QUANTIZE_BASE, quantize_base_weights
+from xtl.strategies.parallelize import ModelTransform, ShardedStrategyMixin, TransformStage
+
+
+class QLoRA(pl.Callback, ModelTransform):
+    """Store the frozen base weights of the LoRA-adapted layers in NF4 once they are loaded (QLoRA).
+
+    The same as ``LoRA(quantize_base=...)``, as a callback of its own so that ``callbacks/qlora.yaml`` composes
+    with ``callbacks/lora.yaml`` (a config fragment appends callbacks; it cannot edit the LoRA entry another
+    fragment added). The run needs exactly one :class:`~xtl.callbacks.LoRA` callback, without ``quantize_base``.
+    See :mod:`xtl.module.nf4`.
+
+    Args:
+        quantize_base: The 4-bit format: ``nf4``.
+        quantize_all_linear: Quantize every frozen linear layer except the LM head, not only the adapted ones.
+    """
+
+    transform_stage = TransformStage.MODEL
+
+    def __init__(self, quantize_base: str = "nf4", quantize_all_linear: bool = False) -> None:
+        if quantize_base not in QUANTIZE_BASE:
+            raise ConfigError(f"QLoRA.quantize_base must be one of {QUANTIZE_BASE}, got {quantize_base!r}")
+        self.quantize_base = quantize_base
+        self.quantize_all_linear = quantize_all_linear
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Check the run before any weight is loaded: one LoRA callback, no sharded strategy."""
+        loras = [cb for cb in trainer.callbacks if isinstance(cb, LoRA)]
+        if len(loras) != 1:
+            raise ConfigError(
+                f"QLoRA quantizes the base weights of LoRA adapters: the run needs one LoRA callback, it has "
+                f"{len(loras)} (add --config callbacks/lora.yaml before callbacks/qlora.yaml)"
+            )
+        if getattr(loras[0], "quantize_base", None) is not None:
+            raise ConfigError("LoRA.quantize_base is set already: drop the QLoRA callback (callbacks/qlora.yaml)")
+        if isinstance(trainer.strategy, ShardedStrategyMixin):
+            raise ConfigError(
+                f"QLoRA is single-device for now: drop callbacks/qlora.yaml under {type(trainer.strategy).__name__}, "
+                "or train on one device"
+            )
+
+    def transform_model(self, model: BaseModel) -> BaseModel:
+        """Nothing to do on the meta model: the weights are quantized once loaded."""
+        return model
+
+    def after_weights(self, model: BaseModel) -> BaseModel:
+        """Store the loaded frozen base weights in NF4 (:func:`xtl.module.nf4.quantize_base_weights`)."""
+        rank_zero_info(quantize_base_weights(model, self.quantize_all_linear))
+        return model

@@ -1,0 +1,93 @@
+"""Low-rank adapters on ``nn.Linear`` layers, attached in place (parameter names of the base layer unchanged).
+
+A target layer ``proj`` gets two child projections, ``proj.lora_A`` ``(r, in)`` and ``proj.lora_B`` ``(out, r)``,
+a dropout and a forward hook that adds ``lora_B(lora_A(dropout(x))) * scaling`` to the layer's output: the
+parameter names are PEFT's (``...q_proj.lora_A.weight``), the base weight keeps its own (``...q_proj.weight``), so HF
+checkpoints load by name as before. The math is PEFT's LoRA (``scaling = alpha / r``, or ``alpha / sqrt(r)`` with
+rsLoRA; ``B`` starts at zero so the adapted model starts equal to the base model).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+LORA_INITS = ("kaiming", "gaussian")
+
+
+class LoRAProjection(nn.Linear):
+    """One factor of an adapter (``lora_A`` or ``lora_B``): a bias-free linear layer with no HF key.
+
+    ``is_adapter`` tells the model's checkpoint code that these weights are not part of the HF model: they are
+    neither loaded from nor written to HF safetensors, and they initialize themselves through :meth:`init_param`.
+
+    Args:
+        in_features: Input width.
+        out_features: Output width.
+        role: ``"A"`` (down projection, random init) or ``"B"`` (up projection, zeros).
+        init: ``kaiming`` (PEFT's default: Kaiming-uniform ``A``) or ``gaussian`` (``A ~ N(0, 1/r)``).
+    """
+
+    is_adapter = True
+
+    def __init__(self, in_features: int, out_features: int, role: str, init: str = "kaiming", **kwargs: Any) -> None:
+        super().__init__(in_features, out_features, bias=False, **kwargs)
+        self.role = role
+        self.init = init
+
+    def init_param(self, attr: str, tensor: torch.Tensor, std: float) -> None:
+        """Fill ``tensor`` (this factor's full weight, on CPU) as PEFT does; ``std`` (the model's) is unused."""
+        if self.role == "B":
+            tensor.zero_()
+        elif self.init == "gaussian":
+            tensor.normal_(mean=0.0, std=1.0 / self.out_features)
+        else:
+            nn.init.kaiming_uniform_(tensor, a=math.sqrt(5))
+
+
+def add_lora(
+    layer: nn.Linear, rank: int, alpha: float, dropout: float = 0.0, use_rslora: bool = False, init: str = "kaiming"
+) -> None:
+    """Attach an adapter to ``layer`` in place (on the layer's device, ``meta`` included).
+
+    Args:
+        layer: The ``nn.Linear`` to adapt.
+        rank: Adapter rank ``r``.
+        alpha: Scale numerator (``lora_alpha``).
+        dropout: Dropout on the adapter's input (training only).
+        use_rslora: ``scaling = alpha / sqrt(r)`` instead of ``alpha / r``.
+        init: ``kaiming`` or ``gaussian`` initialization of ``lora_A``.
+    """
+    if init not in LORA_INITS:
+        raise ValueError(f"LoRA init must be one of {LORA_INITS}, got {init!r}")
+    factory = {"device": layer.weight.device, "dtype": layer.weight.dtype}
+    if not layer.weight.is_floating_point():  # a quantized base weight: adapters in the compute dtype
+        factory["dtype"] = torch.float32
+    layer.lora_A = LoRAProjection(layer.in_features, rank, "A", init, **factory)
+    layer.lora_B = LoRAProjection(rank, layer.out_features, "B", init, **factory)
+    layer.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+    layer.lora_scaling = alpha / math.sqrt(rank) if use_rslora else alpha / rank
+    layer.register_forward_hook(_add_adapter_output)
+
+
+def lora_layers(model: nn.Module) -> Iterator[tuple[str, nn.Linear]]:
+    """``(name, layer)`` of every adapted layer of ``model``."""
+    for name, module in model.named_modules():
+        if isinstance(getattr(module, "lora_A", None), LoRAProjection):
+            yield name, module
+
+
+def merged_weight(layer: nn.Linear, weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor) -> torch.Tensor:
+    """``weight + scaling * B @ A`` in fp32, cast back to ``weight``'s dtype (full, unsharded tensors)."""
+    delta = (lora_b.float() @ lora_a.float()) * layer.lora_scaling
+    return (weight.float() + delta).to(weight.dtype)
+
+
+def _add_adapter_output(layer: nn.Module, args: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor:
+    x = args[0]
+    x = x.to(layer.lora_A.weight.dtype) if not torch.is_autocast_enabled(x.device.type) else x
+    return output + layer.lora_B(layer.lora_A(layer.lora_dropout(x))) * layer.lora_scaling
