@@ -602,3 +602,174 @@ class TestMemoryCli:
         assert [m["mode"] for m in data["modes"]] == ["none", "full", "selective", "full every 2", "offload",
                                                       "full+offload"]  # fmt: skip
         assert all(m["ok"] and m["tolerance"] == 0.02 for m in data["modes"])
+
+
+# ---- LoRA / QLoRA ---------------------------------------------------------------------------------------------------
+
+# configs/tiny_sft.yaml's model: h 128, 4 heads x 32, 2 KV heads, I 384, 4 layers, vocab 1600, tied embeddings
+TINY_SFT = dict(
+    model_type="qwen3", vocab_size=1600, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True,
+)  # fmt: skip
+# (in, out) of q, k, v, o and gate, up, down in that model
+TINY_SFT_ATTN = [(128, 128), (128, 64), (128, 64), (128, 128)]
+TINY_SFT_MLP = [(128, 384), (128, 384), (384, 128)]
+
+
+def _nf4_bytes(numel: int) -> int:
+    """torchao's NF4 storage: 4-bit codes, int8 scalers per 64, an fp32 factor per 16384, fp32 mean, 16 fp32 codes."""
+    return numel // 2 + numel // 64 + 4 * numel // 16384 + 4 + 64
+
+
+def _lora_est(rank: int = 8, **kwargs: object) -> memory.MemoryEstimate:
+    setup = dict(nodes=1, gpus_per_node=1, seq_len=512, recompute="none", lora_rank=rank) | kwargs
+    return estimate_memory(model_dims(TINY_SFT), TrainSetup(**setup))
+
+
+class TestLoRA:
+    def test_adapter_parameters_and_their_states_by_hand(self) -> None:
+        r, layers = 8, 4
+        attn = sum(r * (i + o) for i, o in TINY_SFT_ATTN)  # 6,656 per layer
+        mlp = sum(r * (i + o) for i, o in TINY_SFT_MLP)  # 12,800 per layer
+        est, full = _lora_est(r), _lora_est(0)
+        assert est.params["lora_adapters"] == layers * (attn + mlp) == 77_824
+        assert "lora_adapters" not in full.params
+        parts = est.parts
+        # gradients, master copies and two Adam moments exist for the adapters only (dp 1)
+        for row, count in (("layer_attn", attn), ("layer_mlp", mlp)):
+            assert parts[row]["grads"] == 2 * count and parts[row]["master_grads"] == 4 * count
+            assert parts[row]["opt_states"] == 8 * count
+        assert parts["all_attn"]["opt_states"] + parts["all_mlp"]["opt_states"] == 8 * 77_824
+        assert parts["embed"]["opt_states"] == parts["head"]["opt_states"] == parts["embed"]["grads"] == 0
+        # the frozen weights are stored once, in the compute dtype (2 bytes), besides the adapters' fp32 masters
+        frozen = est.params["total"]
+        stored = sum(parts[row]["master_params"] for row in ("embed", "head", "all_attn", "all_mlp"))
+        assert stored == 2 * frozen + 4 * 77_824
+        assert est.peak_mbn.bytes < full.peak_mbn.bytes
+        assert _lora_est(r, frozen_bytes=4).parts["embed"]["master_params"] == 4 * 1600 * 128
+
+    def test_adapter_activations(self) -> None:
+        tokens, r = 512, 8
+        outs = sum(o for _, o in TINY_SFT_ATTN + TINY_SFT_MLP)  # 1,344
+        for mode, per_token in (("none", 7 * r), ("selective", 7 * r + outs), ("full", 0)):
+            lora, full = _lora_est(r, recompute=mode), _lora_est(0, recompute=mode)
+            grown = _kept_item(lora)[1] - _kept_item(full)[1]  # the 3 layers before the last
+            assert grown == 3 * tokens * per_token * 2, mode
+
+    def test_qlora_stores_the_adapted_weights_in_nf4(self) -> None:
+        est, lora = _lora_est(8, qlora=True), _lora_est(8)
+        # q, o (128 x 128), gate, up, down (128 x 384) are multiples of 16384 weights; k and v (128 x 64) are not
+        nf4 = [128 * 128, 128 * 128, 128 * 384, 128 * 384, 384 * 128]
+        assert est.params["nf4_weights"] == 4 * sum(nf4)
+        nf4_bytes = 4 * sum(_nf4_bytes(n) for n in nf4)
+        saved = 4 * sum(2 * n for n in nf4) - nf4_bytes  # bf16 weights replaced by NF4
+        stored = [sum(e.parts[row]["master_params"] for row in ("all_attn", "all_mlp")) for e in (lora, est)]
+        assert stored[0] - stored[1] == saved
+        assert 4.127 < 8 * nf4_bytes / (4 * sum(nf4)) < 4.15  # 4 + 8/64 + 32/16384 bits, + 68 bytes a tensor
+        items = dict(est.phases["micro1_forward_end"].items)
+        assert items["NF4 dequantization working set: 20 bytes x the largest NF4 weight"] == 20 * 128 * 384
+        everything = _lora_est(8, qlora=True, qlora_all_linear=True, lora_targets=("q_proj",))
+        assert everything.params["nf4_weights"] == est.params["nf4_weights"]
+        assert _lora_est(8, qlora=True, lora_targets=("q_proj",)).params["nf4_weights"] == 4 * 128 * 128
+
+    def test_nf4_bytes_equal_torchao_storage(self) -> None:
+        pytest.importorskip("torchao")
+        from torch import nn
+
+        from xtl.module.nf4 import nf4_nbytes, quantize_linear
+        from xtl.tools._memory_lora import nf4_bytes
+
+        for fan_in, fan_out in ((128, 128), (384, 128), (256, 512)):
+            layer = nn.Linear(fan_in, fan_out, bias=False)
+            quantize_linear(layer)
+            assert nf4_bytes(fan_in * fan_out) == nf4_nbytes(layer.weight) == _nf4_bytes(fan_in * fan_out)
+
+    @pytest.mark.parametrize("variant", sorted(TINY_HF_CONFIGS))
+    def test_linear_layers_and_adapters_equal_the_built_model(self, variant: str) -> None:
+        from torch import nn
+
+        from xtl.callbacks.lora import DEFAULT_TARGETS, LoRA
+        from xtl.tools import _memory_lora
+
+        assert _memory_lora.DEFAULT_TARGETS == DEFAULT_TARGETS
+        fields = {**_TINY, **TINY_HF_CONFIGS[variant]}
+        dims = model_dims(fields)
+        cls = MODEL_TYPES[fields["model_type"]]
+        with torch.device("meta"):
+            model = LoRA(rank=4).transform_model(cls.from_hf_config(cls.hf_config_class.from_dict(fields)).build())
+        for i, layer in enumerate(model.layers):
+            built = {
+                name: (m.in_features, m.out_features)
+                for name, m in layer.named_modules()
+                if isinstance(m, nn.Linear) and not name.endswith(("lora_A", "lora_B"))
+            }
+            expected = {
+                name: (fan_in, fan_out) for name, (fan_in, fan_out, _) in _memory_lora.layer_linears(dims, i).items()
+            }
+            assert built == expected, f"layer {i}"
+        adapters = sum(t.numel() for t in model.adapter_tensors().values())
+        est = estimate_memory(dims, TrainSetup(nodes=1, gpus_per_node=1, seq_len=64, lora_rank=4))
+        assert est.params["lora_adapters"] == adapters
+
+    def test_lora_modes_of_measure_agree_with_the_callback(self) -> None:
+        from xtl.tools._memory_measure import LORA_MODES, compare_modes
+
+        results = {m.mode: m for m in compare_modes(memory._layers_kept_bytes, 128, 0, LORA_MODES)}
+        assert list(results) == list(LORA_MODES)
+        for m in results.values():
+            assert m.ok and m.gpu_measured == m.gpu_estimate and m.max_grad_diff == 0.0, m
+        # 7 adapted layers keep the fp32 lora_A output, rank 8, per token; full recompute keeps the input only
+        none = compare_modes(memory._layers_kept_bytes, 128, 0, {"none": {"recompute": "none"}})[0]
+        assert results["lora"].gpu_measured - none.gpu_measured == 128 * 7 * 8 * 4
+        assert results["lora full"].gpu_measured == 128 * 64 * 4
+
+    def test_cli_options(self, capsys: pytest.CaptureFixture) -> None:
+        base = ["qwen3-8b", "--gpus-per-node", "1", "--seq-len", "4096"]
+        full, lora = _json(capsys, *base), _json(capsys, *base, "--lora-rank", "16")
+        qlora = _json(capsys, *base, "--lora-rank", "16", "--qlora")
+        assert (lora["setup"]["lora_rank"], lora["setup"]["qlora"], qlora["setup"]["qlora"]) == (16, False, True)
+        peaks = [d["peak_micro_batch_n"]["bytes"] / GIB for d in (full, lora, qlora)]
+        assert peaks[0] > 100 > peaks[1] > 20 > peaks[2] > 10, peaks  # 127.6, 21.4, 12.5 GiB
+        # 16 x (in + out) over q/k/v/o/gate/up/down of 36 layers
+        per_layer = 16 * (2 * (H + QD) + 2 * (H + KD) + 3 * (H + I8B))
+        assert lora["params"]["lora_adapters"] == 36 * per_layer
+        some = _json(capsys, *base, "--lora-rank", "16", "--lora-targets", "q_proj,v_proj", "--frozen-bytes", "4")
+        assert some["params"]["lora_adapters"] == 36 * 16 * (2 * H + QD + KD)
+        assert some["setup"]["lora_targets"] == ["q_proj", "v_proj"] and some["setup"]["frozen_bytes"] == 4
+        assert memory.main([*base, "--qlora"]) == 2
+        assert "give a LoRA rank" in capsys.readouterr().err
+        assert memory.main([*base, "--lora-rank", "8", "--lora-targets", "wq"]) == 2
+        assert "match no linear layer" in capsys.readouterr().err
+        assert memory.main(["deepseek-v3", "--nodes", "4", "--ep", "32", "--lora-rank", "8", "--qlora"]) == 0
+        text = capsys.readouterr().out
+        assert "lora: rank 8" in text and "NF4 for the adapted layers" in text
+
+    def test_recipe_with_the_lora_and_qlora_fragments(self, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+        recipe, lora, qlora = (
+            str(ROOT / f) for f in ("configs/tiny_sft.yaml", "callbacks/lora.yaml", "callbacks/qlora.yaml")
+        )
+        s = memory.read_recipe([recipe, lora]).setup
+        assert (s["lora_rank"], s["qlora"], s["frozen_bytes"]) == (8, False, 4)  # param_dtype float32
+        assert s["lora_targets"] == ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+        read = memory.read_recipe([recipe, lora, qlora])
+        assert read.setup["qlora"] and "QLoRA" in read.read_from["qlora"]
+        data = _json(capsys, "--config", recipe, "--config", lora, "--config", qlora)
+        options = _json(
+            capsys, "--config", recipe, "--lora-rank", "8", "--qlora", "--frozen-bytes", "4",
+        )  # fmt: skip
+        assert data["phases"] == options["phases"] and data["params"]["lora_adapters"] == 77_824
+        # quantize_base in the LoRA callback itself, and an FSDP recipe (fp32 parameters, trained or frozen)
+        inline = tmp_path / "qlora_inline.yaml"
+        inline.write_text(
+            "trainer:\n  callbacks+:\n    - class_path: xtl.callbacks.LoRA\n"
+            "      init_args: {rank: 4, target_modules: [q_proj], quantize_base: nf4}\n"
+        )
+        s = memory.read_recipe([recipe, inline]).setup
+        assert (s["lora_rank"], s["lora_targets"], s["qlora"]) == (4, ("q_proj",), True)
+        fsdp = memory.read_recipe([str(ROOT / "configs/qwen3_8b_pretrain.yaml"), lora])
+        assert fsdp.setup["frozen_bytes"] == 4 and "FSDPStrategy" in fsdp.read_from["frozen weights"]
+        # a run applies one LoRA; QLoRA needs one
+        assert memory.main(["--config", recipe, "--config", lora, "--config", str(inline)]) == 2
+        assert "2 LoRA and 0 QLoRA callbacks" in capsys.readouterr().err
+        assert memory.main(["--config", recipe, "--config", qlora]) == 2
+        assert "needs a LoRA callback" in capsys.readouterr().err

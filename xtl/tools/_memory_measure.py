@@ -27,6 +27,10 @@ passes it in). Backward then runs, and the gradients must equal those of the mod
 
 Tolerance per mode: ``|measured - estimate| <= 2%`` of the estimate, or of a layer's activations without recompute
 where the estimate is 0 (the GPU bytes of offloaded layers); gradients equal to mode ``none`` within 1e-6.
+
+**LoRA modes** (:data:`LORA_MODES`): the same measurement with the real ``LoRA`` callback applied first (frozen base
+weights, rank-8 adapters on q/k/v/o and gate/up/down), without recompute, selective and full; the adapters'
+gradients must be equal across the three.
 """
 
 from __future__ import annotations
@@ -53,6 +57,13 @@ MODES: dict[str, dict[str, Any]] = {
 }
 """Memory modes of :func:`compare_modes`, as ``TrainSetup`` fields (``recompute``, ``recompute_every_n_layers``,
 ``offload``, ``offload_every_n_layers``)."""
+LORA_MODES: dict[str, dict[str, Any]] = {
+    "lora": {"recompute": "none", "lora_rank": 8},
+    "lora selective": {"recompute": "selective", "lora_rank": 8},
+    "lora full": {"recompute": "full", "lora_rank": 8},
+}
+"""LoRA modes of :func:`compare_modes` (the ``LoRA`` callback with its default targets, rank 8; gradients are
+compared with mode ``lora``)."""
 
 
 @dataclass
@@ -124,6 +135,7 @@ class MeasureResult:
     max_grad_diff: float
     tolerance: float = TOLERANCE
     modes: list[ModeResult] = field(default_factory=list)
+    lora_modes: list[ModeResult] = field(default_factory=list)
 
     @property
     def ratio(self) -> float:
@@ -137,8 +149,8 @@ class MeasureResult:
 
     @property
     def ok(self) -> bool:
-        """bool: The formula check and every memory mode are within tolerance."""
-        return self.formula_ok and all(mode.ok for mode in self.modes)
+        """bool: The formula check and every memory mode (LoRA modes included) are within tolerance."""
+        return self.formula_ok and all(mode.ok for mode in self.modes + self.lora_modes)
 
     def to_dict(self) -> dict:
         """Return a JSON-serializable dict.
@@ -156,6 +168,7 @@ class MeasureResult:
             "max_grad_diff_vs_stock": self.max_grad_diff,
             "formula_ok": self.formula_ok,
             "modes": [mode.to_dict() for mode in self.modes],
+            "lora_modes": [mode.to_dict() for mode in self.lora_modes],
             "ok": self.ok,
         }
 
@@ -176,6 +189,10 @@ class MeasureResult:
         )
         if self.modes:
             text += "\n\n" + _modes_table(self.modes, self.config["seq_len"])
+        if self.lora_modes:
+            text += "\n\n" + _modes_table(
+                self.lora_modes, self.config["seq_len"], "LoRA rank 8 on q/k/v/o/gate/up/down"
+            )
         return text
 
 
@@ -244,7 +261,10 @@ def tiny_xtl_fields(num_layers: int) -> dict:
 
 
 def compare_modes(
-    estimate: Callable[[dict, int, dict], tuple[float, float]], seq_len: int = 256, seed: int = 0
+    estimate: Callable[[dict, int, dict], tuple[float, float]],
+    seq_len: int = 256,
+    seed: int = 0,
+    modes: dict[str, dict[str, Any]] | None = None,
 ) -> list[ModeResult]:
     """Measure what one decoder layer keeps for backward in each memory mode and compare with ``estimate``.
 
@@ -254,19 +274,21 @@ def compare_modes(
             sequence length and the mode's ``TrainSetup`` fields.
         seq_len (int): Tokens in the single sequence.
         seed (int): Seed for weights and tokens.
+        modes (dict[str, dict[str, Any]] | None): The modes (default :data:`MODES`); the first is the reference of
+            the gradients and of a zero estimate.
 
     Returns:
-        list[ModeResult]: One per mode of :data:`MODES`, in order.
+        list[ModeResult]: One per mode, in order.
     """
     deep, shallow = tiny_xtl_fields(4), tiny_xtl_fields(2)
     reference_grads: list[torch.Tensor] | None = None
     reference = 0.0
     results = []
-    for mode, options in MODES.items():
+    for mode, options in (MODES if modes is None else modes).items():
         gpu4, host4, grads = _kept_by_layers(deep, options, seq_len, seed)
         gpu2, host2, _ = _kept_by_layers(shallow, options, seq_len, seed)
         est4, est2 = estimate(deep, seq_len, options), estimate(shallow, seq_len, options)
-        if reference_grads is None:  # mode "none" comes first
+        if reference_grads is None:  # the reference mode ("none") comes first
             reference_grads, reference = grads, (est4[0] - est2[0]) / 2
         grad_diff = max(float((a - b).abs().max()) for a, b in zip(grads, reference_grads, strict=True))
         results.append(
@@ -362,10 +384,10 @@ class CreatedStorages(TorchDispatchMode):
 
 def _build_xtl(fields: dict, options: dict[str, Any], seed: int) -> tuple[torch.nn.Module, list[Any]]:
     """The xtl model of ``fields`` with the callbacks of a memory mode applied as ``xtl fit`` applies them."""
-    from xtl.callbacks import ActivationCheckpointing, ActivationOffload
+    from xtl.callbacks import ActivationCheckpointing, ActivationOffload, LoRA
     from xtl.model import MODEL_TYPES
 
-    callbacks: list[Any] = []
+    callbacks: list[Any] = [LoRA(rank=options["lora_rank"])] if options.get("lora_rank") else []
     if options.get("recompute", "none") != "none":
         every = options.get("recompute_every_n_layers", 1)
         callbacks.append(ActivationCheckpointing(mode=options["recompute"], every_n_layers=every))
@@ -399,21 +421,22 @@ def _kept_by_layers(
     host = sum(c.stats.held_bytes for c in callbacks if hasattr(c, "stats"))
     gpu = created.alive_bytes(params) - host
     loss.backward()
-    return gpu, host, [p.grad.detach().clone() for p in model.parameters()]
+    return gpu, host, [p.grad.detach().clone() for p in model.parameters() if p.requires_grad]
 
 
-def _modes_table(modes: list[ModeResult], seq_len: int) -> str:
+def _modes_table(modes: list[ModeResult], seq_len: int, what: str = "") -> str:
     def ratio(value: float | None) -> str:
         return "-" if value is None else f"{value:.4f}"
 
     fields = tiny_xtl_fields(4)
+    title = f"memory modes with {what}" if what else "memory modes"
     lines = [
-        f"memory modes: bytes one decoder layer keeps for backward, {seq_len} tokens, fp32 (xtl {fields['model_type']}"
+        f"{title}: bytes one decoder layer keeps for backward, {seq_len} tokens, fp32 (xtl {fields['model_type']}"
         f" h {fields['hidden_size']}, I {fields['intermediate_size']}, {fields['num_attention_heads']} heads, "
         f"{fields['num_key_value_heads']} KV heads; real callbacks; 4-layer minus 2-layer model, halved)",
         f"tolerance per mode: |measured - estimate| <= {MODE_TOLERANCE:.0%} of the estimate (of the no-recompute "
-        f"layer, {modes[0].reference:.0f} bytes, where the estimate is 0); gradients equal to mode none within "
-        f"{GRAD_TOLERANCE:g}",
+        f"layer, {modes[0].reference:.0f} bytes, where the estimate is 0); gradients equal to mode "
+        f"{modes[0].mode} within {GRAD_TOLERANCE:g}",
         f"{'mode':<14}{'GPU est':>10}{'measured':>10}{'ratio':>8}{'host est':>10}{'measured':>10}{'ratio':>8}"
         f"{'tol':>6}{'grad diff':>11}  result",
     ]

@@ -17,6 +17,13 @@ recompute), its matmul outputs (selective recompute), or nothing on the GPU (act
 The derivation of every term is in ``docs/tools.md`` and ``xtl memory --measure`` checks it against autograd and
 against the ``ActivationCheckpointing`` / ``ActivationOffload`` callbacks.
 
+LoRA (``--lora-rank R``, or a recipe's ``LoRA`` callback): the base weights are frozen -- stored in
+``frozen_bytes`` (sharded under ZeRO-3, one layer gathered in bf16), with no gradients, master copies or Adam
+states -- and the adapters, ``r * (in + out)`` parameters per adapted linear layer, train like any parameter; each
+adapted layer keeps ``r`` more activation elements per token (``r + out`` under selective recompute). QLoRA
+(``--qlora``) stores the adapted layers' base weights in NF4 (about 4.13 bits each) and adds the working set of
+dequantizing the largest one. See :mod:`xtl.tools._memory_lora`.
+
 ``--config`` reads these settings from a recipe (plus fragments), merged as ``xtl fit`` merges them
 (:func:`read_recipe`).
 
@@ -45,6 +52,7 @@ from xtl.errors import UserError, short_message
 from xtl.model import MODEL_TYPES, alias_names, get_model_config
 from xtl.model.dims import ModelDims
 from xtl.tools._cli import EXIT_CODES_HELP, EXIT_FAILED, EXIT_OK, ToolInputError, make_parser, run_cli
+from xtl.tools._memory_lora import DEFAULT_TARGETS, NF4_DEQUANT_BYTES, BlockLoRA, block_lora, layer_linears
 
 if TYPE_CHECKING:
     from xtl.model.dense.config import DenseConfig
@@ -67,6 +75,9 @@ EXAMPLES = """examples:
   xtl memory qwen3-8b --seq-len 8192 --recompute selective --recompute-every-n-layers 2 --offload
   xtl memory --config configs/qwen3_30b_a3b_sft.yaml qwen3-30b-a3b   # the recipe's layout and memory settings
   xtl memory --config configs/qwen3_8b_pretrain.yaml --config callbacks/activation_offload.yaml qwen3-8b
+  xtl memory qwen3-8b --gpus-per-node 1 --seq-len 4096 --lora-rank 16          # LoRA: frozen bf16 base weights
+  xtl memory qwen3-8b --gpus-per-node 1 --seq-len 4096 --lora-rank 16 --qlora  # QLoRA: NF4 base weights
+  xtl memory --config configs/tiny_sft.yaml --config callbacks/lora.yaml --config callbacks/qlora.yaml
   xtl memory --measure                          # check the activation formulas against autograd on this CPU
 
 aliases: {aliases}
@@ -102,6 +113,14 @@ class TrainSetup:
         grad_bytes (int): Compute gradient dtype size (bf16).
         master_bytes (int): Master parameter / gradient dtype size (fp32).
         optim_bytes (int): Size of one Adam moment element (fp32); two moments are kept.
+        lora_rank (int): LoRA adapter rank; 0 trains every parameter. With LoRA the base weights are frozen (no
+            gradients, no optimizer state) and only the adapters train.
+        lora_targets (tuple[str, ...] | None): Adapted linear layers (``LoRA.target_modules`` patterns; ``None``:
+            its defaults, q/k/v/o and gate/up/down).
+        qlora (bool): Store the frozen base weights of the adapted layers in NF4 (QLoRA).
+        qlora_all_linear (bool): With ``qlora``, every linear layer of the decoder layers in NF4, adapted or not.
+        frozen_bytes (int | None): Storage size of a frozen (LoRA base) weight that is not NF4 (``None``: the
+            compute dtype's, ``param_bytes``).
     """
 
     nodes: int = 1
@@ -126,12 +145,24 @@ class TrainSetup:
     grad_bytes: int = 2
     master_bytes: int = 4
     optim_bytes: int = 4
+    lora_rank: int = 0
+    lora_targets: tuple[str, ...] | None = None
+    qlora: bool = False
+    qlora_all_linear: bool = False
+    frozen_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.recompute, bool):  # the former boolean option: full recompute or none
             self.recompute = "full" if self.recompute else "none"
         if self.offload_layers is not None:
             self.offload_layers = tuple(self.offload_layers)
+        if self.lora_targets is not None:
+            self.lora_targets = tuple(self.lora_targets)
+
+    @property
+    def stored_frozen_bytes(self) -> int:
+        """int: Storage size of a frozen weight that is not NF4 (``frozen_bytes``, else ``param_bytes``)."""
+        return self.frozen_bytes if self.frozen_bytes is not None else self.param_bytes
 
     @property
     def gpus(self) -> int:
@@ -203,6 +234,7 @@ class MemoryEstimate:
             f"ep {s.ep}, micro-batch {s.micro_batch_size} x {s.seq_len} tokens, recompute {_recompute_text(s)}, "
             f"offload {_offload_text(s)}, flash-attn {s.flash_attn}, chunk-loss {s.chunk_loss or 'off'}, "
             f"activations {s.act_bytes}-byte",
+            *_lora_lines(s),
             "parameters: " + ", ".join(f"{k} {v / 1e9:.4f}B" for k, v in p.items()),
             f"peak, micro-batch 1:  {self.peak_mb1.bytes / GIB:.3f} GiB at {self.peak_mb1.name}",
             f"peak, micro-batch >1: {self.peak_mbn.bytes / GIB:.3f} GiB at {self.peak_mbn.name}",
@@ -334,8 +366,10 @@ def read_recipe(paths: Sequence[str | Path]) -> Recipe:
     ``param_dtype``), the sequence length (``data.pack_max_length``, one packed sequence per micro-batch),
     ``data.micro_batches_per_step``, recompute from the ``ActivationCheckpointing`` callback (``mode``,
     ``every_n_layers``; none without one), offload from the ``ActivationOffload`` callback (``every_n_layers``,
-    ``layers``), and the GPU memory the recipe targets from a ``# gpu-memory: 80GiB`` comment line (the last file
-    stating one wins).
+    ``layers``), LoRA from the ``LoRA`` callback (``rank``, ``target_modules``, ``quantize_base``; an
+    ``adapter_path``'s ``adapter_config.json`` as a run reads it) and the ``QLoRA`` callback, with the frozen
+    weights in the dtype ``xtl fit`` stores them (FSDP: fp32; one device: ``model.init_args.param_dtype``), and the
+    GPU memory the recipe targets from a ``# gpu-memory: 80GiB`` comment line (the last file stating one wins).
 
     Args:
         paths (Sequence[str | Path]): The recipe, then fragments.
@@ -346,7 +380,8 @@ def read_recipe(paths: Sequence[str | Path]) -> Recipe:
     Raises:
         ToolInputError: A missing file or one that does not parse; a layout ``xtl memory`` does not model
             (``devices: auto``, a strategy other than ``FSDPStrategy`` on several GPUs, HSDP); two
-            checkpointing or two offload callbacks (a run applies one of each).
+            checkpointing or two offload callbacks (a run applies one of each); two LoRA callbacks, or QLoRA
+            without LoRA.
     """
     files = [str(path) for path in paths]
     for name in files:
@@ -415,6 +450,8 @@ def read_recipe(paths: Sequence[str | Path]) -> Recipe:
     else:
         setup["offload"] = False
         read_from["offload"] = "off (no ActivationOffload in trainer.callbacks)"
+    fsdp = _is_subclass(strategy_path, "xtl.strategies", "FSDPStrategy")
+    _read_lora(callbacks, setup, read_from, _frozen_dtype_bytes(fsdp, trainer, module))
 
     gpu_memory, gpu_memory_file = None, None
     for name in files:
@@ -483,7 +520,8 @@ def measure_activations(
     Two checks (see :mod:`xtl.tools._memory_measure`): the activation formula without recompute against a
     transformers Qwen3 with fused-style ops, and, per memory mode (none, full, selective, full every 2 layers,
     offload, full + offload), what an xtl model's decoder layers keep under the real ``ActivationCheckpointing`` /
-    ``ActivationOffload`` callbacks against :class:`TrainSetup`'s ``recompute`` / ``offload`` estimate.
+    ``ActivationOffload`` callbacks against :class:`TrainSetup`'s ``recompute`` / ``offload`` estimate, and the same
+    with the ``LoRA`` callback (no recompute, selective, full) against the ``lora_rank`` estimate.
 
     Args:
         seq_len (int): Tokens in the single sequence.
@@ -494,11 +532,12 @@ def measure_activations(
     Returns:
         MeasureResult: Measured and formula bytes (``modes``: one row per memory mode).
     """
-    from xtl.tools._memory_measure import compare_modes, compare_with_autograd
+    from xtl.tools._memory_measure import LORA_MODES, compare_modes, compare_with_autograd
 
     result = compare_with_autograd(_forward_activation_bytes, seq_len, config, seed)
     if modes:
         result.modes = compare_modes(_layers_kept_bytes, seq_len, seed)
+        result.lora_modes = compare_modes(_layers_kept_bytes, seq_len, seed, LORA_MODES)
     return result
 
 
@@ -568,6 +607,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--capacity", type=float, help=f"MoE capacity factor (default {d.capacity})")
     parser.add_argument(
         "--act-bytes", type=int, help=f"activation dtype size (default {d.act_bytes}; with --config: the recipe's)"
+    )
+    parser.add_argument(
+        "--lora-rank",
+        type=int,
+        metavar="R",
+        help="LoRA: frozen base weights, adapters of rank R train (gradients and Adam states for them only); "
+        "default 0: every parameter trains (with --config: the recipe's LoRA callback)",
+    )
+    parser.add_argument(
+        "--lora-targets",
+        type=_name_list,
+        metavar="NAME,...",
+        help=f"adapted linear layers, names or patterns as LoRA.target_modules (default {','.join(DEFAULT_TARGETS)})",
+    )
+    parser.add_argument(
+        "--qlora",
+        action=argparse.BooleanOptionalAction,
+        help="QLoRA: the adapted layers' base weights in NF4, about 4.13 bits each (needs a LoRA rank)",
+    )
+    parser.add_argument(
+        "--frozen-bytes",
+        type=int,
+        metavar="N",
+        help="storage size of a frozen base weight that is not NF4 (default: the compute dtype's, 2; with "
+        "--config: what xtl fit stores, fp32 under FSDP, else the model's param_dtype)",
     )
     parser.add_argument(
         "--gpu-memory",
@@ -702,6 +766,13 @@ def _explicit_setup(args: argparse.Namespace) -> dict[str, Any]:
     return given
 
 
+def _name_list(text: str) -> list[str]:
+    names = [item.strip() for item in text.split(",") if item.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError(f"expected layer names such as q_proj,v_proj; got {text!r}")
+    return names
+
+
 def _int_list(text: str) -> list[int]:
     try:
         return [int(item) for item in text.split(",") if item.strip()]
@@ -816,14 +887,82 @@ def _compute_dtype_bytes(strategy_args: dict[str, Any], trainer: dict[str, Any],
     return _DTYPE_BYTES[name], f"{source} {value}"
 
 
-def _callbacks_of(callbacks: list[Any], name: str) -> list[dict[str, Any]]:
-    """The ``init_args`` of the callbacks that are ``xtl.callbacks.<name>`` (or subclasses)."""
+def _callbacks_of(callbacks: list[Any], name: str, module: str = "xtl.callbacks") -> list[dict[str, Any]]:
+    """The ``init_args`` of the callbacks that are ``<module>.<name>`` (or subclasses)."""
     found = []
     for entry in callbacks:
         class_path, init_args = _class_and_args(entry)
-        if _is_subclass(class_path, "xtl.callbacks", name):
+        if _is_subclass(class_path, module, name):
             found.append(init_args)
     return found
+
+
+def _frozen_dtype_bytes(fsdp: bool, trainer: dict[str, Any], module: dict[str, Any]) -> tuple[int, str]:
+    """Size of the frozen weights as ``xtl fit`` stores them, and why: FSDP keeps every parameter in fp32; one
+    device keeps the model's ``param_dtype`` (a ``*-true`` 16-bit precision casts the model)."""
+    if fsdp:
+        return 4, "FSDPStrategy keeps fp32 parameters, trained or frozen"
+    precision = str(trainer.get("precision", ""))
+    if precision in ("bf16-true", "16-true"):
+        return 2, f"trainer.precision {precision}"
+    value = module.get("param_dtype") or "float32"
+    name = str(value).removeprefix("torch.").lower()
+    if name not in _DTYPE_BYTES:
+        raise ToolInputError(f"model.init_args.param_dtype {value!r} is not a dtype xtl memory knows")
+    return _DTYPE_BYTES[name], f"model.init_args.param_dtype {value}"
+
+
+def _read_lora(
+    callbacks: list[Any], setup: dict[str, Any], read_from: dict[str, str], frozen: tuple[int, str]
+) -> None:
+    """LoRA settings from the ``LoRA`` callback (rank, targets, ``quantize_base``) and the ``QLoRA`` callback."""
+    loras = _callbacks_of(callbacks, "LoRA")
+    qloras = _callbacks_of(callbacks, "QLoRA", "xtl.callbacks.qlora")
+    if len(loras) > 1 or len(qloras) > 1:
+        raise ToolInputError(
+            f"the merged config has {len(loras)} LoRA and {len(qloras)} QLoRA callbacks; a run applies at most one "
+            "of each: drop the fragment that adds the second"
+        )
+    if not loras:
+        if qloras:
+            raise ToolInputError("the QLoRA callback needs a LoRA callback: add callbacks/lora.yaml before it")
+        read_from["lora"] = "off (no LoRA in trainer.callbacks)"
+        return
+    from xtl.callbacks import LoRA  # reads an adapter_path's adapter_config.json as a run does
+    from xtl.errors import ConfigError
+
+    try:
+        lora = LoRA(**loras[0])
+    except (ConfigError, TypeError) as exc:
+        raise ToolInputError(f"trainer.callbacks LoRA: {short_message(exc)}") from None
+    quantize = qloras[0] if qloras else {}
+    qlora = quantize.get("quantize_base", "nf4") if qloras else lora.quantize_base
+    all_linear = bool(quantize.get("quantize_all_linear", False) if qloras else lora.quantize_all_linear)
+    setup.update(
+        lora_rank=lora.rank,
+        lora_targets=tuple(lora.target_modules),
+        qlora=qlora is not None,
+        qlora_all_linear=all_linear,
+        frozen_bytes=frozen[0],
+    )
+    read_from["lora"] = f"rank {lora.rank} on {', '.join(lora.target_modules)} (trainer.callbacks: LoRA)"
+    where = "trainer.callbacks: QLoRA" if qloras else "LoRA.quantize_base"
+    scope = "every linear layer" if all_linear else "the adapted layers"
+    read_from["qlora"] = f"{qlora} for {scope} ({where})" if qlora else "off (no quantize_base, no QLoRA callback)"
+    read_from["frozen weights"] = f"{frozen[0]}-byte ({frozen[1]})"
+
+
+def _lora_lines(s: TrainSetup) -> list[str]:
+    if not s.lora_rank:
+        return []
+    targets = ", ".join(s.lora_targets if s.lora_targets is not None else DEFAULT_TARGETS)
+    nf4 = ""
+    if s.qlora:
+        nf4 = ", NF4 " + ("for every linear layer" if s.qlora_all_linear else "for the adapted layers")
+    return [
+        f"lora: rank {s.lora_rank} on {targets}; frozen base weights {s.stored_frozen_bytes}-byte{nf4}; gradients "
+        "and Adam states for the adapters only"
+    ]
 
 
 def _recompute_text(s: TrainSetup) -> str:
@@ -862,8 +1001,29 @@ def _validate(dims: ModelDims, s: TrainSetup) -> None:
         problems.append(f"ep={s.ep} needs an MoE model whose expert count ({dims.num_experts}) it divides")
     elif dims.num_kv_heads % s.tp and not dims.is_mla:
         problems.append(f"tp={s.tp} does not divide {dims.num_kv_heads} key/value heads")
+    problems += _lora_problems(dims, s)
     if problems:
         raise ToolInputError("; ".join(problems))
+
+
+def _lora_problems(dims: ModelDims, s: TrainSetup) -> list[str]:
+    if s.lora_rank < 0 or (s.frozen_bytes is not None and s.frozen_bytes < 1):
+        return ["the LoRA rank must be >= 0 and the frozen weight size >= 1 byte"]
+    if s.qlora and not s.lora_rank:
+        return ["QLoRA quantizes the frozen base weights under LoRA adapters: give a LoRA rank (--lora-rank R)"]
+    if not s.lora_rank:
+        return []
+    targets = s.lora_targets if s.lora_targets is not None else DEFAULT_TARGETS
+    if any(
+        b.adapted
+        for layer in range(dims.num_layers)
+        for b in block_lora(dims, layer, 1, targets, False, False).values()
+    ):
+        return []
+    names = sorted(
+        {name.rsplit(".", 1)[-1] for layer in range(dims.num_layers) for name in layer_linears(dims, layer)}
+    )
+    return [f"LoRA targets {list(targets)} match no linear layer of {dims.name}; its linear layers are named {names}"]
 
 
 class _Estimator:
@@ -875,6 +1035,7 @@ class _Estimator:
         # over the expert-data-parallel ranks (edp) after being split over ep
         self.shard = setup.dp
         self.expert_shard = setup.edp
+        self._lora_cache: dict[int, dict[str, BlockLoRA]] = {}
         if setup.offload_layers is not None:
             self.offload_set = {i % dims.num_layers for i in setup.offload_layers}
         else:
@@ -892,7 +1053,7 @@ class _Estimator:
         return MemoryEstimate(
             model=self.d.name,
             setup=self.s,
-            params=self.d.parameter_counts(),
+            params=self.d.parameter_counts() | self._lora_params(),
             parts=self._parts(0 if self.s.pp == 1 else self.s.pp - 1),
             phases=phases,
             peak_mb1=mb1,
@@ -912,10 +1073,12 @@ class _Estimator:
         """Bytes ``layer`` keeps for backward of one micro-batch, wherever they live."""
         if not self.checkpointed(layer):
             per_token = self._attn_act_bytes() + self._mlp_act_bytes(layer)
+            per_token += sum(self._adapter_act_bytes(layer, which) for which in ("attn", "mlp"))
         elif self.s.recompute == "full":
             per_token = self._checkpoint_act_bytes(layer)
         else:
             per_token = self._selective_attn_act_bytes() + self._selective_mlp_act_bytes(layer)
+            per_token += sum(self._adapter_act_bytes(layer, which, selective=True) for which in ("attn", "mlp"))
         return per_token * self.tokens
 
     def kept(self, layer: int) -> tuple[float, float]:
@@ -966,6 +1129,60 @@ class _Estimator:
     def _full(self, count: float) -> dict[str, float]:
         return {"params": count * self.s.param_bytes, "grads": count * self.s.grad_bytes}
 
+    def _weights(self, count: float) -> dict[str, float]:
+        """Columns of ``count`` non-expert parameters: trained, or frozen under LoRA."""
+        return self._frozen(count, 0.0, 0.0) if self.s.lora_rank else self._full(count) | self._states(count, 0)
+
+    def _frozen(self, dense: float, expert: float, nf4_bytes: float) -> dict[str, float]:
+        """Columns of frozen weights (LoRA base): ``dense`` / ``expert`` parameters in ``frozen_bytes`` plus
+        ``nf4_bytes`` of NF4 weights; no gradients, no optimizer state.
+
+        ZeRO-3 stores them sharded (``master_params``: the stored copy) and gathers one layer in the compute dtype
+        (NF4 weights gathered as NF4: ``params``); ZeRO-1 keeps them whole (``params``).
+        """
+        s = self.s
+        stored = (dense * s.stored_frozen_bytes + nf4_bytes) / self.shard
+        stored += expert * s.stored_frozen_bytes / self.expert_shard
+        zero = dict.fromkeys(("grads", "opt_states", "master_grads"), 0.0)
+        if s.zero == 3:
+            return zero | {"params": (dense + expert) * s.param_bytes + nf4_bytes, "master_params": stored}
+        return zero | {"params": (dense + expert) * s.stored_frozen_bytes + nf4_bytes, "master_params": 0.0}
+
+    def _lora(self, layer: int) -> dict[str, BlockLoRA]:
+        """LoRA figures of the attention and MLP blocks of ``layer`` (cached)."""
+        if layer not in self._lora_cache:
+            s = self.s
+            targets = s.lora_targets if s.lora_targets is not None else DEFAULT_TARGETS
+            self._lora_cache[layer] = block_lora(self.d, layer, s.lora_rank, targets, s.qlora, s.qlora_all_linear)
+        return self._lora_cache[layer]
+
+    def _lora_params(self) -> dict[str, int]:
+        """Parameter counts of the LoRA setup (none without LoRA): adapters, and weights stored in NF4."""
+        if not self.s.lora_rank:
+            return {}
+        blocks = [b for layer in range(self.d.num_layers) for b in self._lora(layer).values()]
+        counts = {"lora_adapters": sum(b.adapter_params for b in blocks)}
+        return counts | ({"nf4_weights": sum(b.nf4_numel for b in blocks)} if self.s.qlora else {})
+
+    def _adapter_act_bytes(self, layer: int, which: str, selective: bool = False) -> float:
+        """Bytes one token keeps for the adapters of a block: the ``lora_A`` output (``r``) per adapted layer;
+        selective recompute keeps every matmul output, the ``lora_B`` output (``out``) too."""
+        if not self.s.lora_rank:
+            return 0.0
+        block = self._lora(layer)[which]
+        per_token = len(block.adapted) * self.s.lora_rank + (block.adapter_outputs if selective else 0)
+        return per_token * self.s.act_bytes
+
+    def _dequant_item(self, layers: Sequence[int]) -> list[tuple[str, float]]:
+        """QLoRA: the working set of dequantizing the largest NF4 weight for its matmul (none without NF4)."""
+        if not self.s.qlora:
+            return []
+        largest = max((b.largest_nf4 for layer in layers for b in self._lora(layer).values()), default=0)
+        if not largest:
+            return []
+        label = f"NF4 dequantization working set: {NF4_DEQUANT_BYTES} bytes x the largest NF4 weight"
+        return [(label, NF4_DEQUANT_BYTES * largest / self.s.tp)]
+
     def _layer_counts(self, layer: int) -> tuple[float, float, float]:
         """(attention, non-expert mlp, routed experts) local parameter counts of one layer."""
         d, s = self.d, self.s
@@ -975,19 +1192,23 @@ class _Estimator:
     def _layer_part(self, layer: int, which: str) -> dict[str, float]:
         attn, mlp, experts = self._layer_counts(layer)
         if which == "attn":
-            part = self._full(attn) | self._states(attn, 0)
-            act = self._attn_act_bytes() * self.tokens
+            dense, expert, act = attn, 0.0, self._attn_act_bytes() * self.tokens
         else:
-            part = self._full(mlp + experts) | self._states(mlp, experts)
-            act = self._mlp_act_bytes(layer) * self.tokens
-        return part | {"acts": act}
+            dense, expert, act = mlp, experts, self._mlp_act_bytes(layer) * self.tokens
+        if not self.s.lora_rank:
+            return self._full(dense + expert) | self._states(dense, expert) | {"acts": act}
+        block, tp = self._lora(layer)[which], self.s.tp
+        frozen = self._frozen(dense - block.nf4_numel / tp, expert, block.nf4_bytes / tp)
+        adapters = self._full(block.adapter_params / tp) | self._states(block.adapter_params / tp, 0)
+        part = {col: frozen[col] + adapters[col] for col in frozen}
+        return part | {"acts": act + self._adapter_act_bytes(layer, which) * self.tokens}
 
     def _layer_acts(self, layer: int) -> float:
         return self._layer_part(layer, "attn")["acts"] + self._layer_part(layer, "mlp")["acts"]
 
     def _embed_part(self) -> dict[str, float]:
         count = self.d.embedding_params() / self.s.tp
-        return self._full(count) | self._states(count, 0) | {"acts": self.tokens * INDEX_BYTES}
+        return self._weights(count) | {"acts": self.tokens * INDEX_BYTES}
 
     def _head_part(self) -> dict[str, float]:
         d, s = self.d, self.s
@@ -997,7 +1218,7 @@ class _Estimator:
             loss_tokens = min(loss_tokens, s.chunk_loss)
         acts = (2 * d.hidden_size * s.act_bytes + FP32) * self.tokens  # final norm input and output, rstd
         acts += loss_tokens * d.vocab_size * FP32 / s.tp  # fp32 log-probabilities kept by the cross-entropy
-        part = self._full(count) | self._states(count, 0) | {"acts": acts}
+        part = self._weights(count) | {"acts": acts}
         if d.tie_word_embeddings:  # the tied embedding weight is gathered for the head, its states live in embed
             part["params"] += d.embedding_params() / s.tp * s.param_bytes
         return part
@@ -1109,23 +1330,28 @@ class _Estimator:
         static = sum(r[p]["master_params"] + r[p]["opt_states"] for p in sharded)
         static_grad = sum(r[p]["master_grads"] for p in sharded)
         last = r["layer_attn"]["params"] + r["layer_mlp"]["params"] + r["layer_attn"]["acts"] + r["layer_mlp"]["acts"]
+        static_label = "static: master params + Adam states (sharded)"
+        if self.s.lora_rank:
+            static_label = "static: frozen weights, adapter master params + Adam states (sharded)"
         fwd = [
-            ("static: master params + Adam states (sharded)", static),
+            (static_label, static),
             ("gathered last layer: bf16 params + activations", last),
             ("gathered head: bf16 params + activations + loss logits", r["head"]["params"] + r["head"]["acts"]),
             ("embedding activations (token ids)", r["embed"]["acts"]),
             self._kept_item(layers[:-1], f"kept by the other {n - 1} layers"),
             *self._offload_in_flight(layers),
+            *self._dequant_item(layers),
         ]
         first_mlp = r.get("first_layer_mlp", r["layer_mlp"])
         first = r["layer_attn"]["params"] + first_mlp["params"] + r["layer_attn"]["acts"] + first_mlp["acts"]
         prev_grads = r["layer_attn"]["grads"] + self._layer_part(layers[1], "mlp")["grads"] if n > 1 else 0.0
         bwd = [
-            ("static: master params + Adam states (sharded)", static),
+            (static_label, static),
             ("static: master grads (sharded)", static_grad),
             ("gathered first layer: bf16 params + activations", first),
             ("gathered embedding: bf16 params + activations", r["embed"]["params"] + r["embed"]["acts"]),
             ("previous layer bf16 grads being reduce-scattered", prev_grads),
+            *self._dequant_item(layers),
         ]
         fwd2 = fwd[:1] + [("static: master grads (sharded)", static_grad)] + fwd[1:]
         return {
@@ -1158,8 +1384,13 @@ class _Estimator:
         flying = self._in_flight(stage)
         tag = f" (stage {stage})" if s.pp > 1 else ""
         static_item = (f"static: bf16 params + grads, sharded master params/grads + Adam states{tag}", static)
+        if s.lora_rank:
+            static_item = (
+                f"static: frozen weights, adapter params + grads, sharded masters + Adam states{tag}",
+                static,
+            )
         work_item = ("recompute / restore working set: the rest of one layer's activations", working)
-        extra = self._offload_in_flight(layers)
+        extra = self._offload_in_flight(layers) + self._dequant_item(layers)
 
         def phase(name: str, items: list[tuple[str, float]]) -> Phase:
             return Phase(name + tag, sum(v for _, v in items), items)
@@ -1172,7 +1403,8 @@ class _Estimator:
                 + extra,
             ),
             "micro1_backward_end": phase(
-                "micro1_backward_end", [static_item, ("first layer activations", first_acts)]
+                "micro1_backward_end",
+                [static_item, ("first layer activations", first_acts), *self._dequant_item(layers)],
             ),
             "microN_forward_end": phase(
                 "microN_forward_end",
