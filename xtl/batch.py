@@ -7,7 +7,7 @@ model code.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -111,17 +111,21 @@ class SequenceContext:
 
     def to(self, device: torch.device | str) -> SequenceContext:
         """Move every tensor to ``device``, those in ``extras`` (e.g. the images of a pack) included."""
+        return self.map_tensors(lambda t: t.to(device, non_blocking=True))
 
-        def move(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.to(device, non_blocking=True)
+    def map_tensors(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> SequenceContext:
+        """A copy with ``fn`` applied to every tensor (``extras`` included; host-side bounds are kept)."""
+
+        def apply(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else fn(t)
 
         return replace(
             self,
-            input_ids=move(self.input_ids),
-            cu_seq_lens=move(self.cu_seq_lens),
-            position_ids=move(self.position_ids),
-            inputs_embeds=move(self.inputs_embeds),
-            extras={k: move(v) if isinstance(v, torch.Tensor) else v for k, v in self.extras.items()},
+            input_ids=apply(self.input_ids),
+            cu_seq_lens=apply(self.cu_seq_lens),
+            position_ids=apply(self.position_ids),
+            inputs_embeds=apply(self.inputs_embeds),
+            extras={k: apply(v) if isinstance(v, torch.Tensor) else v for k, v in self.extras.items()},
         )
 
     def document_ids(self) -> torch.Tensor:

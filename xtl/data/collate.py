@@ -67,19 +67,7 @@ class MicroBatch:
         Returns:
             MicroBatch: The pinned copy; host-side ``doc_bounds`` and counts are kept.
         """
-
-        def pin(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.pin_memory()
-
-        ctx = self.seq_ctx
-        seq_ctx = replace(
-            ctx,
-            input_ids=pin(ctx.input_ids),
-            cu_seq_lens=pin(ctx.cu_seq_lens),
-            position_ids=pin(ctx.position_ids),
-            inputs_embeds=pin(ctx.inputs_embeds),
-            extras={k: pin(v) if isinstance(v, torch.Tensor) else v for k, v in ctx.extras.items()},
-        )
+        seq_ctx = self.seq_ctx.map_tensors(torch.Tensor.pin_memory)
         return replace(self, seq_ctx=seq_ctx, labels=self.labels.pin_memory())
 
 

@@ -5,10 +5,11 @@ describing which keys each query may see, and returns ``(B, T, H, D)``. ``S`` is
 include cached ones (decoding with a KV cache): the queries are then the last ``T`` keys.
 
 - ``eager``: bitwise equal to transformers' ``eager_attention_forward`` (fp32 softmax, same op order).
-- ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention``. A packed batch runs one call per distinct
-  document length (equal-length documents stacked along the batch), each causal, or with an ``(L, L)`` banded mask
-  for a sliding window; sinks run :func:`eager_attention` per document group. CPU default; on CPU, 16-bit
-  documents of up to ``CPU_FP32_MAX_DOC_LEN`` tokens are attended in fp32 (faster there; output cast back).
+- ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention``. A packed batch runs one call per document-length
+  bucket (documents right-padded to a multiple of ``DOC_LENGTH_BUCKET`` tokens and stacked along the batch; causality
+  hides the padding), each causal, or with an ``(L, L)`` banded mask for a sliding window; sinks run
+  :func:`eager_attention` per bucket. CPU default; on CPU, 16-bit documents of up to ``CPU_FP32_MAX_DOC_LEN`` tokens
+  are attended in fp32 (faster there; output cast back).
 - ``flash``: flash-attn varlen kernels (GPU, when ``flash_attn`` is importable).
 - ``varlen``: PyTorch's own FlashAttention varlen kernel, ``torch.nn.attention.varlen.varlen_attn`` (GPU).
 
@@ -235,13 +236,14 @@ def sdpa_attention(
     dropout: float = 0.0,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``scaled_dot_product_attention``, one call per distinct document length of a packed batch.
+    """``scaled_dot_product_attention``, one call per document-length bucket of a packed batch.
 
-    Documents of equal length are stacked along the batch dimension and attended in one call, causally (or with an
-    ``(L, L)`` banded mask for a sliding window shorter than the document); the result equals one call per
-    document bitwise. Sinks run :func:`eager_attention` per document group the same way. Padding masks, cached
-    keys and packed batches without host-side ``doc_bounds`` use one call with an explicit mask (sinks: one
-    :func:`eager_attention` call).
+    Documents are right-padded to a multiple of :data:`DOC_LENGTH_BUCKET` tokens, stacked along the batch and
+    attended causally (or with an ``(L, L)`` banded mask for a sliding window shorter than the bucket); causality
+    hides the padding, so the result equals one call per document up to summation order
+    (:func:`attend_by_document_length`). Sinks run :func:`eager_attention` per bucket the same way. Padding masks,
+    cached keys and packed batches without host-side ``doc_bounds`` use one call with an explicit mask (sinks: one
+    :func:`eager_attention` call). On CPU, short 16-bit documents are attended in fp32.
 
     Args:
         q: Queries ``(B, H, T, D)``.
