@@ -7,9 +7,9 @@ from xtl.callbacks.fp8 import FP8Training
 from xtl.callbacks.generation_eval import GenerationEval
 from xtl.callbacks.hf_export import HFExport
 from xtl.callbacks.lora import LoRA
-from xtl.callbacks.qlora import QLoRA
 from xtl.callbacks.parity_check import HFParityCheck
 from xtl.callbacks.progress import StepProgressBar
+from xtl.callbacks.qlora import QLoRA
 from xtl.callbacks.throughput import Throughput
 
 __all__ = [
