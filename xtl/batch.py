@@ -31,6 +31,8 @@ class SequenceContext:
         num_padding: Tokens at the end of the pack that are padding (a masked pseudo-document).
         doc_bounds: ``cu_seq_lens`` as Python ints, computed on the host when the batch is built, so attention
             never reads the device tensor back (on GPU each read is a device-to-host sync).
+        loss_positions: Positions whose label is supervised, ``(N,)`` int64, found on the host by the collate
+            step; a training forward runs the LM head and the loss on these rows only (``None``: every position).
     """
 
     input_ids: torch.Tensor | None
@@ -41,6 +43,7 @@ class SequenceContext:
     num_padding: int = 0
     extras: dict = field(default_factory=dict)
     doc_bounds: tuple[int, ...] | None = None
+    loss_positions: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.doc_bounds is None and self.cu_seq_lens is not None and self.cu_seq_lens.device.type == "cpu":
@@ -125,6 +128,7 @@ class SequenceContext:
             cu_seq_lens=apply(self.cu_seq_lens),
             position_ids=apply(self.position_ids),
             inputs_embeds=apply(self.inputs_embeds),
+            loss_positions=apply(self.loss_positions),
             extras={k: apply(v) if isinstance(v, torch.Tensor) else v for k, v in self.extras.items()},
         )
 

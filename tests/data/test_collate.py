@@ -50,7 +50,8 @@ class TestPinnedTransfer:
         monkeypatch.setattr(torch.Tensor, "pin_memory", fake_pin)
         mb = collate_pack(_pack(), pad_to=10)
         out = mb.pin_memory()
-        assert sorted(pinned) == sorted([(1, 10), (4,), (1, 10), (1, 10)])  # ids, cu_seq_lens, positions, labels
+        # ids, cu_seq_lens, positions, labels, supervised positions
+        assert sorted(pinned) == sorted([(1, 10), (4,), (1, 10), (1, 10), (mb.num_tokens,)])
         assert out.seq_ctx.doc_bounds == (0, 4, 7, 10) and out.seq_ctx.num_padding == 3
         assert torch.equal(out.labels, mb.labels) and out.num_tokens == mb.num_tokens and out.pack_index == 4
 

@@ -81,3 +81,47 @@ class TestSequenceContext:
     def test_bad_lengths(self, lengths, message):
         with pytest.raises(ValueError, match=message):
             SequenceContext.from_lengths(torch.arange(6), lengths)
+
+
+class TestLossPositions:
+    def test_head_on_supervised_rows_only_gives_the_same_loss_and_gradients(self, tiny_hf_dir, monkeypatch):
+        import xtl.model.dense.dense as dense
+
+        model = _model(tiny_hf_dir("qwen3"), "sdpa").train()
+        torch.manual_seed(0)
+        ids = torch.randint(0, 160, (1, sum(LENGTHS)))
+        labels = torch.randint(0, 160, (1, sum(LENGTHS)))
+        labels[:, ::3] = -100  # a third of the positions carry no loss
+        rows_seen = []
+        head = dense.lm_head_loss
+        monkeypatch.setattr(dense, "lm_head_loss", lambda h, *a, **k: rows_seen.append(h.shape[1]) or head(h, *a, **k))
+
+        def step(ctx):
+            model.zero_grad()
+            out = model(seq_ctx=ctx, labels=labels, return_logits=False)
+            out.loss_sum.backward()
+            return out.loss_sum.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+        every = SequenceContext.from_lengths(ids, LENGTHS)
+        selected = SequenceContext.from_lengths(ids, LENGTHS)
+        selected.loss_positions = (labels[0] != -100).nonzero().squeeze(1)
+        loss_all, grads_all = step(every)
+        loss_sel, grads_sel = step(selected)
+        assert rows_seen == [30, 20], "the head ran on the 20 supervised rows only"
+        # fp32; the same per-token math, summed over different chunkings of the rows
+        torch.testing.assert_close(loss_sel, loss_all, rtol=1e-6, atol=0)
+        for name, grad in grads_all.items():
+            torch.testing.assert_close(grads_sel[name], grad, rtol=1e-5, atol=1e-7)
+
+    def test_collate_finds_the_supervised_positions_on_the_host(self):
+        import numpy as np
+
+        from xtl.data.collate import collate_pack
+        from xtl.data.packing import Pack
+
+        ids = np.arange(8, dtype=np.int64)
+        labels = np.array([-100, -100, 5, 6, -100, -100, 9, 10], dtype=np.int64)
+        mb = collate_pack(Pack(input_ids=ids, labels=labels, lengths=[4, 4], index=0))
+        # shifted targets: position t is labelled with token t+1 inside its document, the last one of each is not
+        assert mb.seq_ctx.loss_positions.tolist() == [1, 2, 5, 6]
+        assert mb.num_tokens == 4

@@ -115,10 +115,13 @@ def collate_pack(pack: Pack, pad_token_id: int = 0, pad_to: int | None = None) -
     extras = getattr(pack, "extras", None)  # a VisionPack's images (xtl.data.multimodal)
     if extras:
         ctx.extras = dict(extras)
+    supervised = np.flatnonzero(shifted != IGNORE_INDEX)
+    if 0 < supervised.size < shifted.size:  # the head and loss then run on these positions only
+        ctx.loss_positions = torch.from_numpy(supervised)
     return MicroBatch(
         seq_ctx=ctx,
         labels=torch.from_numpy(shifted).unsqueeze(0),
-        num_tokens=int((shifted != IGNORE_INDEX).sum()),
+        num_tokens=int(supervised.size),
         num_real_tokens=real,
         pack_index=pack.index,
     )

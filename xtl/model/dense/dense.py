@@ -16,6 +16,7 @@ from xtl.module.mlp import GatedMLP
 from xtl.module.rope import RotaryEmbedding
 from xtl.ops.attention import AttentionMaskSpec
 from xtl.ops.cross_entropy import lm_head_loss, shift_labels
+from xtl.ops.selector import hf_impl_enabled
 
 if TYPE_CHECKING:
     from xtl.model.dense.config import DenseConfig
@@ -128,6 +129,15 @@ class Dense(BaseModel):
         hidden, extras = self.run_layers(hidden, position_embeddings, mask, attention_mask, seq_ctx, cache)
         hidden = self.norm(hidden)
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        rows = seq_ctx.loss_positions if seq_ctx is not None and targets is not None else None
+        if (
+            rows is not None
+            and not return_logits
+            and isinstance(logits_to_keep, int)
+            and logits_to_keep == 0
+            and not hf_impl_enabled()
+        ):
+            keep = rows  # unsupervised rows add nothing to the loss: skip their head and loss work
         targets = None if targets is None else targets[:, keep]
         logits, loss, loss_sum, num_tokens = lm_head_loss(hidden[:, keep], self.lm_head.weight, targets, return_logits)
         return ModelOutput(
