@@ -116,12 +116,17 @@ class TestLossPositions:
     def test_collate_finds_the_supervised_positions_on_the_host(self):
         import numpy as np
 
-        from xtl.data.collate import collate_pack
+        from xtl.data.collate import collate_pack, loss_rows
         from xtl.data.packing import Pack
 
-        ids = np.arange(8, dtype=np.int64)
-        labels = np.array([-100, -100, 5, 6, -100, -100, 9, 10], dtype=np.int64)
-        mb = collate_pack(Pack(input_ids=ids, labels=labels, lengths=[4, 4], index=0))
-        # shifted targets: position t is labelled with token t+1 inside its document, the last one of each is not
-        assert mb.seq_ctx.loss_positions.tolist() == [1, 2, 5, 6]
-        assert mb.num_tokens == 4
+        # topped up with the first unsupervised positions to a multiple of 4 rows
+        assert loss_rows(np.array([5, 9, 12]), 20, multiple=4).tolist() == [0, 5, 9, 12]
+        assert loss_rows(np.array([5, 9, 12]), 4, multiple=4) is None, "every position: nothing to select"
+        assert loss_rows(np.array([], dtype=np.int64), 20) is None
+        ids = np.arange(300, dtype=np.int64)
+        labels = np.full(300, -100, dtype=np.int64)
+        labels[50:60] = 7
+        mb = collate_pack(Pack(input_ids=ids, labels=labels, lengths=[300], index=0))
+        # shifted targets: position t carries token t+1's label
+        assert mb.num_tokens == 10 and len(mb.seq_ctx.loss_positions) == 128
+        assert set(range(49, 59)) <= set(mb.seq_ctx.loss_positions.tolist())

@@ -116,8 +116,9 @@ def collate_pack(pack: Pack, pad_token_id: int = 0, pad_to: int | None = None) -
     if extras:
         ctx.extras = dict(extras)
     supervised = np.flatnonzero(shifted != IGNORE_INDEX)
-    if 0 < supervised.size < shifted.size:  # the head and loss then run on these positions only
-        ctx.loss_positions = torch.from_numpy(supervised)
+    rows = loss_rows(supervised, shifted.size)
+    if rows is not None:  # the head and loss then run on these positions only
+        ctx.loss_positions = torch.from_numpy(rows)
     return MicroBatch(
         seq_ctx=ctx,
         labels=torch.from_numpy(shifted).unsqueeze(0),
@@ -125,3 +126,18 @@ def collate_pack(pack: Pack, pad_token_id: int = 0, pad_to: int | None = None) -
         num_real_tokens=real,
         pack_index=pack.index,
     )
+
+
+LOSS_ROW_MULTIPLE = 128
+
+
+def loss_rows(supervised: np.ndarray, total: int, multiple: int = LOSS_ROW_MULTIPLE) -> np.ndarray | None:
+    """The positions the head and loss run on: the supervised ones, topped up with unsupervised positions (they add
+    nothing to the loss) to a multiple of ``multiple``, so the head sees few distinct shapes (a new shape per step
+    fragments the host allocator); ``None`` when that would be every position or none is supervised.
+    """
+    count = -(-supervised.size // multiple) * multiple
+    if supervised.size == 0 or count >= total:
+        return None
+    unsupervised = np.setdiff1d(np.arange(total), supervised, assume_unique=True)
+    return np.sort(np.concatenate([supervised, unsupervised[: count - supervised.size]]))

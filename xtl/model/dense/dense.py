@@ -138,6 +138,9 @@ class Dense(BaseModel):
             and not hf_impl_enabled()
         ):
             keep = rows  # unsupervised rows add nothing to the loss: skip their head and loss work
+        if isinstance(keep, torch.Tensor):  # index_select: its backward is one index_add (no sort, no big buffers)
+            hidden, targets = hidden.index_select(1, keep), None if targets is None else targets.index_select(1, keep)
+            keep = slice(None)
         targets = None if targets is None else targets[:, keep]
         logits, loss, loss_sum, num_tokens = lm_head_loss(hidden[:, keep], self.lm_head.weight, targets, return_logits)
         return ModelOutput(
