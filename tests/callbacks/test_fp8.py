@@ -19,17 +19,14 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torchao.float8.float8_linear import Float8Linear
 
-pytest.importorskip("torchao")
-
-from torchao.float8.float8_linear import Float8Linear  # noqa: E402 - after the importorskip
-
-import xtl.ops.fp8  # noqa: E402
-from tests.callbacks.helpers import build, forward, step  # noqa: E402
-from tests.callbacks.test_activation_checkpointing import single_rank_group  # noqa: E402, F401 - a fixture
-from tests.cli.test_cli import ROOT, _run_main, _tiny_args  # noqa: E402
-from xtl.callbacks import FP8Training  # noqa: E402
-from xtl.callbacks.fp8 import BlockwiseFp8Linear, layer_errors  # noqa: E402
+import xtl.ops.fp8
+from tests.callbacks.helpers import build, forward, step
+from tests.callbacks.test_activation_checkpointing import single_rank_group  # noqa: F401 - a fixture
+from tests.cli.test_cli import ROOT, _run_main, _tiny_args
+from xtl.callbacks import FP8Training
+from xtl.callbacks.fp8 import BlockwiseFp8Linear, layer_errors
 
 FRAGMENT = ROOT / "callbacks/fp8.yaml"
 DENSE128 = dict(

@@ -16,7 +16,6 @@ SMALL = ["--model.init_args.model.hidden_size", "32", "--model.init_args.model.i
 
 class TestTensorBoardFragment:
     def test_writes_train_loss_events_next_to_the_csv_metrics(self, tmp_path, data_cache):
-        pytest.importorskip("tensorboard")
         from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
         fragment = ROOT / "callbacks/tensorboard.yaml"

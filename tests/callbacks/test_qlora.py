@@ -27,17 +27,15 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-pytest.importorskip("torchao")
-
-from tests.callbacks.helpers import DENSE, batch, build, forward  # noqa: E402
-from tests.callbacks.test_activation_checkpointing import single_rank_group  # noqa: E402, F401 - a fixture
-from tests.cli.test_cli import ROOT, _run_main, _tiny_args  # noqa: E402
-from xtl.callbacks import ActivationCheckpointing, ActivationOffload  # noqa: E402
-from xtl.callbacks.lora import LoRA  # noqa: E402
-from xtl.callbacks.qlora import QLoRA  # noqa: E402
-from xtl.errors import ConfigError  # noqa: E402
-from xtl.module.lora import lora_layers  # noqa: E402
-from xtl.module.nf4 import (  # noqa: E402
+from tests.callbacks.helpers import DENSE, batch, build, forward
+from tests.callbacks.test_activation_checkpointing import single_rank_group  # noqa: F401 - a fixture
+from tests.cli.test_cli import ROOT, _run_main, _tiny_args
+from xtl.callbacks import ActivationCheckpointing, ActivationOffload
+from xtl.callbacks.lora import LoRA
+from xtl.callbacks.qlora import QLoRA
+from xtl.errors import ConfigError
+from xtl.module.lora import lora_layers
+from xtl.module.nf4 import (
     BLOCK_SIZE,
     SCALER_BLOCK_SIZE,
     dequantize,
@@ -49,7 +47,7 @@ from xtl.module.nf4 import (  # noqa: E402
     quantize_base_weights,
     quantize_linear,
 )
-from xtl.strategies import FSDPStrategy  # noqa: E402
+from xtl.strategies import FSDPStrategy
 
 # The NF4 data type of the QLoRA paper (Dettmers et al. 2023, appendix E; bitsandbytes' fp32 table).
 PAPER_NF4 = [

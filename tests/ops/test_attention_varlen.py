@@ -127,7 +127,8 @@ class TestVarlenHelpers:
     )
     def test_kernel_arguments_against_eager(self, monkeypatch, case, batch, spec, kv_heads, v_dim):
         calls = []
-        torch_varlen = pytest.importorskip("torch.nn.attention.varlen")
+        import torch.nn.attention.varlen as torch_varlen
+
         monkeypatch.setattr(torch_varlen, "varlen_attn", _reference_varlen_attn(calls))
         monkeypatch.setattr(attention, "varlen_supported", lambda *args, **kwargs: True)
         q, k, v = _qkv(batch=batch, kv_heads=kv_heads, v_dim=v_dim)

@@ -17,9 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-pytest.importorskip("torchao")
-
-from xtl.ops.fp8 import (  # noqa: E402 - after the importorskip
+from xtl.ops.fp8 import (
     BLOCK,
     blockwise_fp8_linear,
     blockwise_fp8_path,

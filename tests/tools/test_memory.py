@@ -673,7 +673,6 @@ class TestLoRA:
         assert _lora_est(8, qlora=True, lora_targets=("q_proj",)).params["nf4_weights"] == 4 * 128 * 128
 
     def test_nf4_bytes_equal_torchao_storage(self) -> None:
-        pytest.importorskip("torchao")
         from torch import nn
 
         from xtl.module.nf4 import nf4_nbytes, quantize_linear
