@@ -4,7 +4,6 @@ computation on the same global batch (qwen3_moe, deepseek_v3, gpt_oss)."""
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -13,10 +12,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
 
-from xtl.model import SequenceContext
+from tests.train.test_step import _free_port, _micro_batches
 from xtl.module.dispatcher import AllToAllDispatcher, LocalDispatcher
 from xtl.module.experts import GroupedExperts
-from xtl.ops import shift_labels
 from xtl.strategies.expert_parallel import build_expert_parallel_meshes, shard_experts, split_experts
 from xtl.strategies.parallelize import fully_shard_model
 from xtl.train import resolve_model_config
@@ -43,7 +41,6 @@ FAMILIES = {
     "gpt_oss": {**BASE, "model_type": "gpt_oss", "num_local_experts": 4, "num_experts_per_tok": 2,
                 "intermediate_size": 16, "sliding_window": 4},
 }  # fmt: skip
-DOC_LENGTHS = [[5, 9], [11], [3, 4, 6], [12]]  # four micro-batches: rank r takes 2r, 2r+1
 # fp32: the same sums in another order (expert rows grouped by source rank, reductions split over ranks); measured
 # max relative error ~1e-7 on the loss and ~1e-6 on gradients of magnitude >= 1e-3.
 TOL = {"rtol": 1e-5, "atol": 1e-6}
@@ -58,17 +55,6 @@ def _model(family: str, meta: bool = False) -> torch.nn.Module:
     torch.manual_seed(0)
     model.init_weights()
     return model
-
-
-def _micro_batches() -> list[tuple[SequenceContext, torch.Tensor]]:
-    g = torch.Generator().manual_seed(1)
-    batches = []
-    for lengths in DOC_LENGTHS:
-        docs = [torch.randint(0, 97, (n,), generator=g) for n in lengths]
-        labels = torch.cat([shift_labels(d[None])[0] for d in docs])
-        labels[: lengths[0] // 2] = -100
-        batches.append((SequenceContext.from_lengths(torch.cat(docs)[None], lengths), labels[None]))
-    return batches
 
 
 def _step(model, batches, dp_world_size):
@@ -128,7 +114,7 @@ def _worker(rank: int, port: int, out_path: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     meshes = build_expert_parallel_meshes("cpu", WORLD, ep=WORLD)
     results: dict = {"dispatcher": _dispatcher_case(rank, meshes.ep.get_group()), "out_path": out_path}
-    batches = _micro_batches()[2 * rank : 2 * rank + 2]
+    batches = _micro_batches()[2 * rank : 2 * rank + 2]  # the four of tests.train.test_step: rank r takes 2r, 2r+1
     for family in FAMILIES:
         model = _model(family, meta=True)
         shard_experts(split_experts(model, meshes.ep), meshes, {})
@@ -155,12 +141,6 @@ def _worker(rank: int, port: int, out_path: str) -> None:
         }
     torch.save(results, f"{out_path}.{rank}")
     dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
