@@ -7,6 +7,8 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import TQDMProgressBar
 
+from xtl.train.step import is_logged_step
+
 
 class StepProgressBar(TQDMProgressBar):
     """Lightning's tqdm bar, counting optimizer steps towards ``max_steps`` instead of batches of an epoch.
@@ -43,7 +45,7 @@ class StepProgressBar(TQDMProgressBar):
         bar = self.train_progress_bar
         if bar is not None and trainer.global_step % self.refresh_rate == 0:
             bar.n = trainer.global_step
-            if trainer._logger_connector.should_update_logs:
+            if is_logged_step(trainer):
                 bar.set_postfix(self.get_metrics(trainer, pl_module), refresh=False)
             bar.refresh()
 

@@ -7,7 +7,7 @@ from typing import Any
 import lightning.pytorch as pl
 
 from xtl.model.dims import ModelDims
-from xtl.train.step import StepWindow
+from xtl.train.step import StepWindow, is_logged_step
 
 
 class Throughput(pl.Callback):
@@ -42,7 +42,7 @@ class Throughput(pl.Callback):
         seq = max((mb.seq_ctx.seq_len for mb in batch), default=0)
         self._flops += tokens * self.flops_per_token(pl_module.model_config, seq)
         self._window.add(tokens)
-        if not trainer._logger_connector.should_update_logs:
+        if not is_logged_step(trainer):
             return
         _, seconds, _ = self._window.close(pl_module.device)
         tflops, self._flops = self._flops / seconds / 1e12, 0.0

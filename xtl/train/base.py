@@ -25,6 +25,7 @@ from xtl.train.step import (
     StepWindow,
     forward_backward,
     grad_norm_and_clip,
+    is_logged_step,
     optimizer_step_unless_nonfinite,
 )
 from xtl.utils import atomic_write_bytes
@@ -314,8 +315,8 @@ class LanguageModule(pl.LightningModule):
     def _log_step(self, batch: list[Any], result: StepResult, grad_norm: torch.Tensor) -> None:
         """Log the step from device tensors; values are read on the host only on steps the loggers write.
 
-        ``train/tokens_per_sec`` is this rank's non-padding tokens over the wall time since the previous logged
-        step, over all data-parallel ranks (logged on logged steps only).
+        ``train/tokens_per_sec`` (logged steps only) is the non-padding tokens of all data-parallel ranks over the
+        wall time since the previous logged step.
         """
         real = sum(mb.num_real_tokens for mb in batch)
         host = torch.tensor([real, sum(mb.seq_ctx.seq_len for mb in batch)], dtype=torch.float64)
@@ -334,7 +335,7 @@ class LanguageModule(pl.LightningModule):
         }
         self.log_dict(values, on_step=True, on_epoch=False, sync_dist=False, batch_size=1)
         self.log("loss", values["train/loss"], prog_bar=True, logger=False, batch_size=1)
-        if self._trainer is not None and self.trainer._logger_connector.should_update_logs:
+        if self._trainer is not None and is_logged_step(self.trainer):
             tokens, seconds, _ = self._window.close(self.device)
             rate = tokens / seconds
             self.log("train/tokens_per_sec", rate, on_step=True, on_epoch=False, batch_size=1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -137,6 +138,12 @@ def _param_device(optimizer: torch.optim.Optimizer) -> torch.device:
         for param in group["params"]:
             return param.device
     return torch.device("cpu")
+
+
+def is_logged_step(trainer: Any) -> bool:
+    """Whether the loggers write this training step (Lightning's ``log_every_n_steps`` rule): the only steps on
+    which logged values are read back on the host."""
+    return bool(trainer._logger_connector.should_update_logs)
 
 
 class StepWindow:
