@@ -11,7 +11,7 @@ import torch
 from xtl.callbacks.lora import LoRA
 from xtl.errors import ConfigError
 from xtl.model import BaseModel
-from xtl.model.hf import DEFAULT_MAX_SHARD_SIZE, FP8_FORMATS, copy_side_files, save_hf_weights
+from xtl.model.hf import DEFAULT_MAX_SHARD_SIZE, FP8_FORMATS, copy_side_files
 from xtl.model.hf.peft_adapter import merge_lora_transform, peft_module_paths, peft_target_modules, save_peft_adapter
 from xtl.module.lora import lora_layers
 from xtl.utils import resolve_path
@@ -90,19 +90,9 @@ class HFExport(pl.Callback):
         model: BaseModel = pl_module.model
         adapted = next(lora_layers(model), None) is not None
         written = []
-        if not adapted:
-            model.save_hf(target, max_shard_size=self.max_shard_size, dtype=dtype, fp8=self.fp8)
-            written.append(target)
-        if adapted and self.lora in ("merged", "both"):
-            save_hf_weights(
-                model,
-                target,
-                self.max_shard_size,
-                dtype,
-                source_dir=model._hf_path,
-                fp8=self.fp8,
-                tensor_transform=merge_lora_transform(model),
-            )
+        if not adapted or self.lora in ("merged", "both"):  # the transform is None without adapters
+            merge = merge_lora_transform(model)
+            model.save_hf(target, self.max_shard_size, dtype, fp8=self.fp8, tensor_transform=merge)
             written.append(target)
         if adapted and self.lora in ("adapter", "both"):
             adapter_dir = target / "adapter" if self.lora == "both" else target

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -124,6 +125,7 @@ class BaseModel(nn.Module):
         max_shard_size: str = DEFAULT_MAX_SHARD_SIZE,
         dtype: torch.dtype | None = None,
         fp8: str | None = None,
+        tensor_transform: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         """Write an HF model directory: shards, index, ``config.json``, generation config and tokenizer files.
 
@@ -138,8 +140,12 @@ class BaseModel(nn.Module):
                 attribute are always written in fp32.
             fp8: ``"blockwise"`` writes the large linear weights as 128x128 block-quantized fp8 with
                 ``_scale_inv`` scales and a ``quantization_config`` (the format of ``xtl convert to-fp8``).
+            tensor_transform: Applied to each full tensor on every rank before it is written (e.g. merging LoRA
+                adapters: :func:`xtl.model.hf.peft_adapter.merge_lora_transform`).
         """
-        save_hf_weights(self, out_dir, max_shard_size, dtype, source_dir=self._hf_path, fp8=fp8)
+        save_hf_weights(
+            self, out_dir, max_shard_size, dtype, source_dir=self._hf_path, fp8=fp8, tensor_transform=tensor_transform
+        )
 
     def _keep_fp32_names(self) -> set[str]:
         """Checkpoint names that modules declare fp32 whatever the model dtype (``keep_fp32`` attribute names)."""
