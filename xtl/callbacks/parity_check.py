@@ -10,6 +10,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 
+from xtl.errors import ConfigError
 from xtl.model.parity import (
     PARITY_MODES,
     ParityCheckError,
@@ -18,6 +19,7 @@ from xtl.model.parity import (
     resolve_tolerance,
     run_parity_check,
 )
+from xtl.strategies.fsdp import FSDPStrategy
 from xtl.utils import atomic_write_bytes
 
 _ON_FAIL = ("raise", "warn")
@@ -103,6 +105,19 @@ class HFParityCheck(pl.Callback):
         self.reports: list[ParityReport] = []
         self._started = False
 
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Refuse a model the check does not cover, before any weight is loaded.
+
+        Raises:
+            ConfigError: For a vision-language model (the check compares decoder-only text models).
+        """
+        config = getattr(pl_module, "model_config", None)
+        if hasattr(config, "vision_config"):
+            raise ConfigError(
+                f"HFParityCheck compares decoder-only text models with transformers; {type(config).__name__} has a "
+                "vision tower: drop callbacks/parity_check.yaml from this run"
+            )
+
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
@@ -157,9 +172,16 @@ class HFParityCheck(pl.Callback):
     # ---- private ---------------------------------------------------------------------------------------------
 
     def _tolerance(self, trainer: pl.Trainer) -> str:
-        """``auto`` in ``fast`` mode under 16-bit autocast is the bf16 preset (the reference may be fp32)."""
-        if self.tolerance == "auto" and self.mode == "fast" and "16-mixed" in str(trainer.precision):
+        """``auto`` in ``fast`` mode under 16-bit autocast is the bf16 preset (the reference may be fp32); in
+        ``hf_impl`` mode under FSDP with a 16-bit ``param_dtype`` it is ``bitwise_forward`` (gradients are summed
+        over the documents in ``reduce_dtype``)."""
+        if self.tolerance != "auto":
+            return self.tolerance
+        if self.mode == "fast" and "16-mixed" in str(trainer.precision):
             return "bf16"
+        strategy = trainer.strategy
+        if self.mode == "hf_impl" and isinstance(strategy, FSDPStrategy) and strategy.param_dtype in _DTYPES[1:]:
+            return "bitwise_forward"
         return self.tolerance
 
     def _publish(self, trainer: pl.Trainer, report: ParityReport) -> None:

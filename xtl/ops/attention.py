@@ -39,6 +39,28 @@ _VARLEN_DTYPES = (torch.float16, torch.bfloat16)
 _VARLEN_MAX_HEAD_DIM = 256
 
 
+class MaskCache:
+    """Masks built for one forward, keyed by shape, window and device, shared by every layer of the forward.
+
+    A plain object on purpose: ``torch.distributed.utils._apply_to_tensors`` (FSDP2's input cast) copies dicts
+    and dataclasses but passes other objects through unchanged, so the cache survives the cast.
+    """
+
+    __slots__ = ("masks",)
+
+    def __init__(self) -> None:
+        self.masks: dict[tuple, torch.Tensor] = {}
+
+    def __contains__(self, key: tuple) -> bool:
+        return key in self.masks
+
+    def __getitem__(self, key: tuple) -> torch.Tensor:
+        return self.masks[key]
+
+    def __setitem__(self, key: tuple, mask: torch.Tensor) -> None:
+        self.masks[key] = mask
+
+
 @dataclass
 class AttentionMaskSpec:
     """Which keys a query may attend to, independent of any implementation.
@@ -54,6 +76,10 @@ class AttentionMaskSpec:
 
     With ``S`` keys for ``T < S`` queries (cached keys, :class:`xtl.module.kv_cache.KVCache`) the queries are the
     last ``T`` keys, and the masks are built once per forward and shared by its layers.
+
+    Every field can be given to ``dataclasses.replace``: FSDP2's mixed precision rebuilds dataclass inputs of each
+    sharded layer that way, and ``built`` (a :class:`MaskCache`, not a container FSDP walks into) is passed on as
+    the same object, so the layers of a forward still share the masks.
     """
 
     cu_seq_lens: torch.Tensor | None = None
@@ -61,7 +87,7 @@ class AttentionMaskSpec:
     padding_mask: torch.Tensor | None = None
     sliding_window: int | None = None
     doc_bounds: Sequence[int] | None = None
-    built: dict[tuple, torch.Tensor] = field(default_factory=dict, init=False, repr=False, compare=False)
+    built: MaskCache = field(default_factory=MaskCache, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.doc_bounds is None and self.cu_seq_lens is not None and self.cu_seq_lens.device.type == "cpu":
@@ -81,9 +107,7 @@ class AttentionMaskSpec:
 
     def with_window(self, sliding_window: int | None) -> AttentionMaskSpec:
         """The same spec for a layer with the given sliding window (sharing the masks built for the forward)."""
-        spec = replace(self, sliding_window=sliding_window)
-        spec.built = self.built
-        return spec
+        return replace(self, sliding_window=sliding_window)
 
     def boolean_mask(self, batch: int, seq_len: int, device: torch.device, kv_len: int | None = None) -> torch.Tensor:
         """``(B, 1, T, S)`` boolean mask, True where attention is allowed (transformers' convention).

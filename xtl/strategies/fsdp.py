@@ -133,9 +133,12 @@ class FSDPStrategy(ShardedStrategyMixin, ModelParallelStrategy):
 
         return {
             "mesh": self.dp_mesh,
+            # the model casts its own inputs where it must (as it does unsharded in the same dtype), so FSDP leaves
+            # them alone: a layer sees exactly what it sees on one device, and parity with transformers holds
             "mp_policy": MixedPrecisionPolicy(
                 param_dtype=getattr(torch, self.param_dtype) if self.param_dtype else None,
                 reduce_dtype=getattr(torch, self.reduce_dtype) if self.reduce_dtype else None,
+                cast_forward_inputs=False,
             ),
             "reshard_after_forward": self.reshard_after_forward,
             "offload_policy": CPUOffloadPolicy() if self.cpu_offload else OffloadPolicy(),

@@ -25,12 +25,13 @@ from __future__ import annotations
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import IntEnum
 from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
+from torch import nn
 
 from xtl.model import BaseModel
 
@@ -174,10 +175,21 @@ class ShardedStrategyMixin(ParallelizingStrategy):
 
 
 def fully_shard_model(model: BaseModel, **fsdp_kwargs: Any) -> BaseModel:
-    """FSDP2 ``fully_shard`` on each of ``model.shard_units()``, then on the root, with the same arguments."""
+    """FSDP2 ``fully_shard`` on each of ``model.shard_units()``, then on the root, with the same arguments.
+
+    A module inside a unit that keeps parameters in fp32 (its ``keep_fp32`` names, e.g. DeepSeek-V3's router) is
+    sharded on its own first, without the ``param_dtype`` cast, so it computes as it does unsharded.
+    """
     from torch.distributed.fsdp import fully_shard
 
+    policy = fsdp_kwargs.get("mp_policy")
+    fp32_kwargs = {**fsdp_kwargs}
+    if policy is not None and policy.param_dtype is not None:
+        fp32_kwargs["mp_policy"] = replace(policy, param_dtype=None)
     for unit in model.shard_units():
+        for module in unit.modules():
+            if any(isinstance(getattr(module, name, None), nn.Parameter) for name in getattr(module, "keep_fp32", ())):
+                fully_shard(module, **fp32_kwargs)
         fully_shard(unit, **fsdp_kwargs)
     fully_shard(model, **fsdp_kwargs)
     return model
