@@ -35,6 +35,9 @@ class _Toy(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.layers[1](self.layers[0](x) @ torch.ones(3, 4))
 
+    def layer_stacks(self) -> dict[str, nn.ModuleList]:
+        return {"language": self.layers}
+
 
 def _saved_in_layers(model: nn.Module) -> tuple[int, int]:
     """(bytes of the distinct non-parameter storages each layer call saves, bytes of saved parameter views)
@@ -87,7 +90,7 @@ class TestOptions:
     def test_chosen_layers(self, options, chosen):
         callback = ActivationOffload(**options)
         build(DENSE, [callback])
-        assert callback.offloaded_layers == chosen
+        assert callback.offloaded_layers == {"language": chosen}
 
 
 class TestOffload:

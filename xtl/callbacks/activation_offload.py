@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from xtl.callbacks._layers import check_layer_options, decoder_layers, select_layers
+from xtl.callbacks._layers import check_layer_options, chosen_stacks, select_layers
 from xtl.model import BaseModel
 from xtl.strategies.parallelize import ModelTransform, TransformStage
 
@@ -42,7 +42,10 @@ class OffloadStats:
 
 
 class ActivationOffload(pl.Callback, ModelTransform):
-    """Move the activations that chosen decoder layers save for backward to host memory (stage ``ACTIVATION``).
+    """Move the activations that chosen blocks save for backward to host memory (stage ``ACTIVATION``).
+
+    The blocks are the model's decoder layers and, for vision-language models, its vision blocks
+    (:meth:`~xtl.model.BaseModel.layer_stacks`; ``parts`` chooses among them).
 
     While a chosen layer runs forward (with gradients on), ``torch.autograd.graph.saved_tensors_hooks`` copy
     every tensor autograd saves into host memory; backward copies it back. Storages are copied whole, once per
@@ -60,14 +63,15 @@ class ActivationOffload(pl.Callback, ModelTransform):
     (its inputs) is offloaded, and recomputation in backward is left alone.
 
     Args:
-        layers: Indices of the layers to offload (default: chosen by ``every_n_layers``).
-        every_n_layers: Offload layers ``i`` with ``i % every_n_layers == 0`` (1: every layer).
+        layers: Indices of the layers to offload within each part (default: chosen by ``every_n_layers``).
+        every_n_layers: Offload layers ``i`` with ``i % every_n_layers == 0`` within each part (1: every layer).
         pin_memory: Use pinned host buffers on CUDA (needed for copies that overlap compute).
         prefetch: In backward, start bringing back the previous layer's tensors early (CUDA).
+        parts: The parts whose blocks are offloaded (``language``, ``vision``; ``None``: all the model has).
 
     Attributes:
         stats: What was offloaded so far (:class:`OffloadStats`).
-        offloaded_layers: Indices of the layers the hooks were installed on.
+        offloaded_layers: Part -> indices of the blocks the hooks were installed on.
     """
 
     transform_stage = TransformStage.ACTIVATION
@@ -78,21 +82,30 @@ class ActivationOffload(pl.Callback, ModelTransform):
         every_n_layers: int = 1,
         pin_memory: bool = True,
         prefetch: bool = True,
+        parts: list[str] | None = None,
     ) -> None:
         check_layer_options(every_n_layers, layers)
         self.layers = layers
         self.every_n_layers = every_n_layers
+        self.parts = parts
         self.stats = OffloadStats()
-        self.offloaded_layers: list[int] = []
+        self.offloaded_layers: dict[str, list[int]] = {}
         self._offloader = _Offloader(self.stats, pin_memory=pin_memory, prefetch=prefetch)
         self._logged_bytes = 0
 
     def transform_model(self, model: BaseModel) -> BaseModel:
-        """Install the offload hooks on the chosen decoder layers (names and structure unchanged)."""
-        layers = decoder_layers(model)
-        self.offloaded_layers = select_layers(len(layers), self.every_n_layers, self.layers)
-        for index in self.offloaded_layers:
-            self._offloader.attach(layers[index], index)
+        """Install the offload hooks on the chosen blocks (names and structure unchanged).
+
+        Blocks are numbered in forward order across the parts (vision blocks before decoder layers), which is the
+        order backward prefetches in.
+        """
+        self.offloaded_layers = {}
+        order = 0
+        for part, stack in chosen_stacks(model, self.parts, "ActivationOffload.parts").items():
+            self.offloaded_layers[part] = select_layers(len(stack), self.every_n_layers, self.layers, part)
+            for index in self.offloaded_layers[part]:
+                self._offloader.attach(stack[index], order + index)
+            order += len(stack)
         return model
 
     def on_train_batch_end(
@@ -143,7 +156,9 @@ class _Group:
     def __init__(self, index: int, kept_storages: set[int], previous: _Group | None) -> None:
         self.index = index
         self.kept_storages = kept_storages
-        # forward only: one copy per (storage, version); the device tensor is held so its address is not reused
+        # forward only: one copy per (storage, version). Keyed by the storage object, not its address: a storage that
+        # FSDP2 frees inside the layer (a sub-unit resharded after its forward, e.g. expert-parallel experts) gives
+        # its address to the next allocation. The device tensor is held so the storage object outlives the call.
         self.by_storage: dict[tuple[int, int], tuple[_HostCopy, torch.Tensor]] = {}
         self.copies: list[weakref.ref[_HostCopy]] = []
         self.previous = weakref.ref(previous) if previous is not None else None
@@ -203,7 +218,7 @@ class _Offloader:
             self.stats.kept_bytes += tensor.numel() * tensor.element_size()
             return tensor
         storage = tensor.untyped_storage()
-        key = (storage.data_ptr(), tensor._version)
+        key = (storage._cdata, tensor._version)
         if key in group.by_storage:
             copy = group.by_storage[key][0]
         else:
