@@ -10,9 +10,10 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 from torch.distributed._composable import checkpoint
+from torch.utils import checkpoint as torch_checkpoint
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from xtl.callbacks._layers import check_every_n_layers, decoder_layers, select_layers
+from xtl.callbacks._layers import check_every_n_layers, chosen_stacks, select_layers
 from xtl.model import BaseModel
 from xtl.module.router import Router
 from xtl.strategies.parallelize import ModelTransform, TransformStage
@@ -22,7 +23,10 @@ MODES: tuple[str, ...] = ("full", "selective")
 
 
 class ActivationCheckpointing(pl.Callback, ModelTransform):
-    """Checkpoint decoder layers (stage ``ACTIVATION``): their activations are recomputed in backward.
+    """Checkpoint blocks (stage ``ACTIVATION``): their activations are recomputed in backward.
+
+    The blocks are the model's decoder layers and, for vision-language models, its vision blocks
+    (:meth:`~xtl.model.BaseModel.layer_stacks`; ``parts`` chooses among them).
 
     Uses the composable ``torch.distributed._composable.checkpoint`` (non-reentrant, hooks on the layer), so
     parameter names stay unchanged (HF weights load by name) and FSDP2 shards the layers afterwards as usual.
@@ -41,27 +45,30 @@ class ActivationCheckpointing(pl.Callback, ModelTransform):
 
     Args:
         mode: ``full`` or ``selective`` (see above).
-        every_n_layers: Checkpoint layers ``i`` with ``i % every_n_layers == 0`` (1: every layer).
+        every_n_layers: Checkpoint layers ``i`` with ``i % every_n_layers == 0`` within each part (1: every layer).
+        parts: The parts whose blocks are checkpointed (``language``, ``vision``; ``None``: all the model has).
 
     Attributes:
-        checkpointed_layers: Indices of the layers checkpointed by :meth:`transform_model`.
+        checkpointed_layers: Part -> indices of the blocks checkpointed by :meth:`transform_model`.
     """
 
     transform_stage = TransformStage.ACTIVATION
 
-    def __init__(self, mode: CheckpointMode = "full", every_n_layers: int = 1) -> None:
+    def __init__(self, mode: CheckpointMode = "full", every_n_layers: int = 1, parts: list[str] | None = None) -> None:
         if mode not in MODES:
             raise ValueError(f"activation checkpointing mode must be one of {MODES}; got {mode!r}")
         self.mode = mode
         self.every_n_layers = check_every_n_layers(every_n_layers)
-        self.checkpointed_layers: list[int] = []
+        self.parts = parts
+        self.checkpointed_layers: dict[str, list[int]] = {}
 
     def transform_model(self, model: BaseModel) -> BaseModel:
-        """Install checkpointing on the chosen decoder layers of ``model`` (built on meta; names unchanged)."""
-        layers = decoder_layers(model)
-        self.checkpointed_layers = select_layers(len(layers), self.every_n_layers)
-        for index in self.checkpointed_layers:
-            checkpoint(layers[index], context_fn=self.context_fn(layers[index]))
+        """Install checkpointing on the chosen blocks of ``model`` (built on meta; names unchanged)."""
+        self.checkpointed_layers = {}
+        for part, stack in chosen_stacks(model, self.parts, "ActivationCheckpointing.parts").items():
+            self.checkpointed_layers[part] = select_layers(len(stack), self.every_n_layers, part=part)
+            for index in self.checkpointed_layers[part]:
+                checkpoint(stack[index], context_fn=self.context_fn(stack[index]))
         return model
 
     def context_fn(self, layer: nn.Module) -> Callable[[], tuple[Any, Any]] | None:
@@ -108,3 +115,9 @@ _MATMUL_OPS = _ops(
     ),
 )
 _ROUTING_OPS = _ops(torch.ops.aten, ("topk",))
+
+# Selective checkpointing replays ops by count. FSDP2's hooks open profiler ranges a different number of times in
+# forward and in recomputation (under the recomputation's replay they are "not found in storage"); the ranges are
+# annotations, not tensor work, so the replay passes them through (as upstream PyTorch does from 2.14).
+_PROFILER_PACKETS = (torch.ops.profiler._record_function_enter_new, torch.ops.profiler._record_function_exit)
+torch_checkpoint.SAC_IGNORED_OPS.update(getattr(p, overload) for p in _PROFILER_PACKETS for overload in p.overloads())

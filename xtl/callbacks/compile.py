@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
 from torch import nn
 
-from xtl.callbacks._layers import decoder_layers
 from xtl.model import BaseModel
 from xtl.module.moe_block import MoEBlock
 from xtl.strategies.parallelize import ModelTransform, TransformStage
@@ -17,16 +15,14 @@ from xtl.strategies.parallelize import ModelTransform, TransformStage
 CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
 MODES: tuple[str, ...] = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
-# The model method the head loss is computed through; compiled when the model has it.
-LOSS_ATTRIBUTE = "head_loss"
-
 
 class Compile(pl.Callback, ModelTransform):
     """``torch.compile`` every decoder layer in place (stage ``COMPILE``, after checkpointing and offload).
 
     ``nn.Module.compile`` keeps the module and its parameter names, so HF weights load and FSDP2 shards the layers
-    afterwards as usual. Layers compile on their first call; identical layers share the compiled code. The head
-    loss is compiled too when the model routes it through a ``head_loss`` method (``compile_loss``).
+    afterwards as usual. Layers compile on their first call; identical layers share the compiled code. The
+    language model's ``head_loss`` (the fused LM head + cross-entropy) is compiled too (``compile_loss``). The
+    vision blocks of a vision-language model run eagerly: the number of patches changes with every pack.
 
     Two parts of a layer run eagerly by default, as graph breaks inside the compiled layer, because their shapes
     or control flow follow the data and would make Dynamo compile again for nearly every pack:
@@ -51,7 +47,7 @@ class Compile(pl.Callback, ModelTransform):
         mode: ``torch.compile`` mode (inductor only; ``None``: the default).
         fullgraph: Fail on graph breaks (needs ``compile_attention`` and, for MoE, ``compile_moe_block``).
         dynamic: ``torch.compile``'s ``dynamic`` (``None``: specialize, then go dynamic on a shape change).
-        compile_loss: Also compile the model's ``head_loss`` (the fused LM head + cross-entropy) when it has one.
+        compile_loss: Also compile the language model's ``head_loss`` (the fused LM head + cross-entropy).
         compile_attention: Compile the attention block too (see above).
         compile_moe_block: Compile the MoE block of MoE layers too (see above).
     """
@@ -115,7 +111,7 @@ class Compile(pl.Callback, ModelTransform):
 
     def transform_model(self, model: BaseModel) -> BaseModel:
         """Compile each decoder layer (and ``head_loss``) in place; names and structure stay unchanged."""
-        for layer in decoder_layers(model):
+        for layer in model.layer_stacks()["language"]:
             eager = self.eager_parts(layer)
             if eager and self.fullgraph:
                 raise ValueError(
@@ -126,14 +122,8 @@ class Compile(pl.Callback, ModelTransform):
                 part.forward = torch.compiler.disable(part.forward, recursive=True)  # an attribute: names unchanged
             layer.compile(**self.options)
         if self.compile_loss:
-            head_loss = getattr(model, LOSS_ATTRIBUTE, None)
-            if head_loss is None:
-                warnings.warn(
-                    f"{type(model).__name__} has no {LOSS_ATTRIBUTE}() method: its loss is not compiled",
-                    stacklevel=2,
-                )
-            else:
-                setattr(model, LOSS_ATTRIBUTE, torch.compile(head_loss, **self.options))
+            text = model.text_model()
+            text.head_loss = torch.compile(text.head_loss, **self.options)  # an attribute: names unchanged
         return model
 
     def on_train_batch_end(

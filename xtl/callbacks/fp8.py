@@ -11,7 +11,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 
-from xtl.callbacks._layers import decoder_layers
+from xtl.callbacks._layers import module_names
 from xtl.model import BaseModel
 from xtl.module.experts import GroupedExperts
 from xtl.ops.fp8 import BLOCK, blockwise_fp8_linear, blockwise_fp8_path
@@ -35,7 +35,8 @@ class FP8Training(pl.Callback, ModelTransform):
       quantize -> dequantize -> matmul reference on CPU (same rounding).
 
     Converted: the ``nn.Linear`` layers of every decoder layer -- attention and MLP projections, dense MLPs and MoE
-    shared experts. Kept in the training dtype: the embedding and LM head (outside the decoder layers), routers
+    shared experts. A vision-language model's vision blocks stay in the training dtype (their patch counts change
+    with every pack). Kept in the training dtype: the embedding and LM head (outside the decoder layers), routers
     (``Router`` modules, not ``nn.Linear``), and, with the reason in :attr:`skipped`, layers whose in/out features
     are not multiples of 16 (``tensorwise``/``rowwise``) or 128 (``blockwise``; no padding), the modules ``skip``
     names, and routed experts (grouped GEMMs: ``_scaled_grouped_mm`` has no CPU kernel, so they stay in the training
@@ -100,22 +101,28 @@ class FP8Training(pl.Callback, ModelTransform):
         multiple = BLOCK if self.recipe == "blockwise" else TORCHAO_MULTIPLE
         self.skipped = {}
         chosen, used = [], set()
-        for index, layer in enumerate(decoder_layers(model)):
-            for name, module in layer.named_modules(prefix=f"layers.{index}"):
-                if isinstance(module, GroupedExperts):
-                    self.skipped[name] = "routed experts: grouped GEMM in the training dtype"
-                if type(module) is not nn.Linear:
-                    continue
-                patterns = [p for p in self.skip if fnmatchcase(name, p)]
-                used.update(patterns)
-                if patterns:
-                    self.skipped[name] = f"skip: {patterns[0]}"
-                elif module.in_features % multiple or module.out_features % multiple:
-                    self.skipped[name] = (
-                        f"in/out features {module.in_features}/{module.out_features} are not multiples of {multiple}"
-                    )
-                else:
-                    chosen.append(name)
+        names = module_names(model)
+        for part, stack in model.layer_stacks().items():
+            for layer in stack:
+                for module in layer.modules():
+                    name = names[id(module)]
+                    if isinstance(module, GroupedExperts):
+                        self.skipped[name] = "routed experts: grouped GEMM in the training dtype"
+                    if type(module) is not nn.Linear:
+                        continue
+                    patterns = [p for p in self.skip if fnmatchcase(name, p)]
+                    used.update(patterns)
+                    if part != "language":
+                        self.skipped[name] = f"{part} blocks: their token counts change with every pack"
+                    elif patterns:
+                        self.skipped[name] = f"skip: {patterns[0]}"
+                    elif module.in_features % multiple or module.out_features % multiple:
+                        self.skipped[name] = (
+                            f"in/out features {module.in_features}/{module.out_features} are not multiples of "
+                            f"{multiple}"
+                        )
+                    else:
+                        chosen.append(name)
         unused = [p for p in self.skip if p not in used]
         if unused:
             raise ValueError(f"fp8 skip pattern {unused[0]!r} matches no linear layer of the decoder layers")

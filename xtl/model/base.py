@@ -194,12 +194,24 @@ class BaseModel(nn.Module):
                     full.normal_(mean=0.0, std=std)
             copy_into(tensor, full)
 
-    def shard_units(self) -> list[nn.Module]:
-        """The modules a sharding strategy wraps one by one before the root: the decoder layers.
+    def layer_stacks(self) -> dict[str, nn.ModuleList]:
+        """The stacks of repeated blocks by part, in forward order: ``{"language": <decoder layers>}``.
 
-        What is not inside a unit (embeddings, final norm, head) belongs to the root unit.
+        Sharding (:meth:`shard_units`) and the memory and speed transforms (checkpointing, offload, compile, fp8)
+        act on these blocks; a vision-language model has its vision blocks first, as ``"vision"``.
         """
-        return list(self.layers)
+        return {"language": self.layers}
+
+    def text_model(self) -> nn.Module:
+        """The language-model body: embedding, decoder layers, final norm and the head with its ``head_loss``."""
+        return self
+
+    def shard_units(self) -> list[nn.Module]:
+        """The modules a sharding strategy wraps one by one before the root: every block of :meth:`layer_stacks`.
+
+        What is not inside a unit (embeddings, final norm, head, a vision merger) belongs to the root unit.
+        """
+        return [block for stack in self.layer_stacks().values() for block in stack]
 
 
 __all__ = ["BaseModel"]

@@ -337,9 +337,13 @@ class Qwen3VL(BaseModel):
     def _ignorable_hf_key(self, key: str) -> bool:
         return key.endswith("rotary_emb.inv_freq") or (self.config.tie_word_embeddings and key == "lm_head.weight")
 
-    def shard_units(self) -> list[nn.Module]:
-        """Vision blocks and decoder layers (one sharding unit each)."""
-        return [*self.visual.blocks, *self.language_model.layers]
+    def layer_stacks(self) -> dict[str, nn.ModuleList]:
+        """The vision blocks (``"vision"``), then the decoder layers (``"language"``)."""
+        return {"vision": self.visual.blocks, "language": self.language_model.layers}
+
+    def text_model(self) -> nn.Module:
+        """The language model (``language_model``)."""
+        return self.language_model
 
 
 def _image_positions(start: int, t: int, h: int, w: int, device: torch.device) -> torch.Tensor:

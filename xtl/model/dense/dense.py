@@ -142,7 +142,7 @@ class Dense(BaseModel):
             hidden, targets = hidden.index_select(1, keep), None if targets is None else targets.index_select(1, keep)
             keep = slice(None)
         targets = None if targets is None else targets[:, keep]
-        logits, loss, loss_sum, num_tokens = lm_head_loss(hidden[:, keep], self.lm_head.weight, targets, return_logits)
+        logits, loss, loss_sum, num_tokens = self.head_loss(hidden[:, keep], targets, return_logits)
         return ModelOutput(
             loss=loss,
             loss_sum=loss_sum,
@@ -151,6 +151,16 @@ class Dense(BaseModel):
             hidden_states=hidden if return_hidden_states else None,
             extras=extras,
         )
+
+    def head_loss(
+        self, hidden: torch.Tensor, targets: torch.Tensor | None, return_logits: bool
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """LM head and loss of final hidden states: ``(logits, loss, loss_sum, num_tokens)``.
+
+        :func:`xtl.ops.cross_entropy.lm_head_loss` on the head's weight (fused and chunked in training); a method
+        so that the ``Compile`` callback can compile it in place.
+        """
+        return lm_head_loss(hidden, self.lm_head.weight, targets, return_logits)
 
     def run_layers(
         self,
