@@ -9,8 +9,11 @@ import torch
 
 from xtl.callbacks.throughput import Throughput
 from xtl.model import get_model_config
+from xtl.model.compose import Qwen3VLConfig, Qwen3VLVisionConfig
 from xtl.model.dense import LlamaDenseConfig, Qwen3DenseConfig
+from xtl.model.dims import VisionDims
 from xtl.model.moe import DeepSeekV3Config, Qwen3MoEConfig
+from xtl.module.vision import VisionTower
 from xtl.tools.memory import estimate_memory
 from xtl.train import step as step_module
 
@@ -75,8 +78,8 @@ class TestLogging:
         config = LlamaDenseConfig(**TINY)
         module = SimpleNamespace(model_config=config, device=torch.device("cpu"))
         batch = [
-            SimpleNamespace(num_real_tokens=30, seq_ctx=SimpleNamespace(seq_len=10)),
-            SimpleNamespace(num_real_tokens=8, seq_ctx=SimpleNamespace(seq_len=8)),
+            SimpleNamespace(num_real_tokens=30, seq_ctx=SimpleNamespace(seq_len=10, extras={})),
+            SimpleNamespace(num_real_tokens=8, seq_ctx=SimpleNamespace(seq_len=8, extras={})),
         ]
         callback = Throughput(peak_tflops=1e-6)
         callback.on_train_start(trainer, module)  # clock 100
@@ -89,3 +92,46 @@ class TestLogging:
         assert step == 7
         assert metrics["train/tflops_per_device"] == pytest.approx(tflops)
         assert metrics["train/mfu"] == pytest.approx(tflops / 1e-6)
+
+
+class TestVisionFlops:
+    VISION = dict(
+        depth=2, hidden_size=8, intermediate_size=16, num_heads=2, in_channels=3, patch_size=2, temporal_patch_size=2,
+        spatial_merge_size=2, out_hidden_size=12, num_position_embeddings=16, deepstack_visual_indexes=[0],
+    )  # fmt: skip
+
+    def test_an_image_costs_six_flops_per_weight_and_row_plus_frame_attention(self) -> None:
+        tower = VisionTower(Qwen3VLVisionConfig(**self.VISION))
+        blocks = ("patch_embed.proj.weight", "attn.qkv.weight", "attn.proj.weight", "linear_fc1.weight", "fc2.weight")
+        per_patch = sum(p.numel() for n, p in tower.named_parameters() if n.endswith(blocks) and "merger" not in n)
+        per_token = sum(
+            p.numel() for n, p in tower.named_parameters() if "merger" in n and n.endswith("weight") and p.dim() == 2
+        )
+        assert (per_patch, per_token) == (24 * 8 + 2 * (4 * 64 + 2 * 8 * 16), 2 * (32 * 32 + 32 * 12))
+        # one 1 x 4 x 4 image: 16 patches, 4 merged tokens, each patch attends to the 16 of its frame in 2 blocks
+        expected = 6 * (16 * per_patch + 4 * per_token) + 12 * 2 * 8 * 16 * 16
+        assert VisionDims.from_config(Qwen3VLVisionConfig(**self.VISION)).flops_per_image(1, 4, 4) == expected
+
+    def test_the_callback_adds_the_images_of_the_logged_window(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        clock = iter([0.0, 100.0, 102.0])
+        monkeypatch.setattr(step_module, "time", SimpleNamespace(perf_counter=lambda: next(clock)))
+        logged = []
+        logger = SimpleNamespace(log_metrics=lambda metrics, step: logged.append(metrics))
+        trainer = SimpleNamespace(
+            loggers=[logger], global_step=1, _logger_connector=SimpleNamespace(should_update_logs=True)
+        )
+        rope = {"rope_type": "default", "rope_theta": 1e4, "params": {"mrope_section": [2, 1, 1]}}
+        config = Qwen3VLConfig(text_config={**TINY, "head_dim": 8, "rope": rope}, vision_config=self.VISION)
+        module = SimpleNamespace(model_config=config, device=torch.device("cpu"))
+        grid = torch.tensor([[1, 4, 4], [1, 2, 4]])
+        batch = [
+            SimpleNamespace(num_real_tokens=10, seq_ctx=SimpleNamespace(seq_len=10, extras={"image_grid_thw": grid}))
+        ]
+        callback = Throughput()
+        callback.on_train_start(trainer, module)
+        callback.on_train_batch_end(trainer, module, None, batch, 0)
+        vision = VisionDims.from_config(config)
+        text = 10 * callback.flops_per_token(config, 10)
+        images = vision.flops_per_image(1, 4, 4) + vision.flops_per_image(1, 2, 4)
+        assert logged[0]["train/tflops_per_device"] == pytest.approx((text + images) / 2.0 / 1e12)
+        assert text == 10 * callback.flops_per_token(config.text_config, 10)

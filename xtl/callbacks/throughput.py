@@ -6,7 +6,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 
-from xtl.model.dims import ModelDims
+from xtl.model.dims import ModelDims, VisionDims
 from xtl.train.step import StepWindow, is_logged_step
 
 
@@ -18,7 +18,8 @@ class Throughput(pl.Callback):
 
     FLOPs per token are :meth:`xtl.model.dims.ModelDims.flops_per_token` of the module's ``model_config`` at the
     step's longest sequence: 6 x activated non-embedding parameters (top-k routed experts only for MoE) plus the
-    attention score/value FLOPs (MLA with its own query/key and value head widths).
+    attention score/value FLOPs (MLA with its own query/key and value head widths). A vision-language model adds
+    :meth:`xtl.model.dims.VisionDims.flops_per_image` for every image of the step.
 
     Args:
         peak_tflops: The device's peak dense TFLOP/s for the training dtype (``None``: MFU not logged).
@@ -29,10 +30,11 @@ class Throughput(pl.Callback):
         self._window = StepWindow()
         self._flops = 0.0
         self._dims: tuple[Any, ModelDims] | None = None
+        self._grids: list[Any] = []
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Start the first window."""
-        self._window, self._flops = StepWindow(), 0.0
+        self._window, self._flops, self._grids = StepWindow(), 0.0, []
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -40,11 +42,18 @@ class Throughput(pl.Callback):
         """Count the step's FLOPs; on logged steps, log achieved TFLOP/s per device (and MFU) over the window."""
         tokens = sum(mb.num_real_tokens for mb in batch)
         seq = max((mb.seq_ctx.seq_len for mb in batch), default=0)
-        self._flops += tokens * self.flops_per_token(pl_module.model_config, seq)
+        config = pl_module.model_config
+        self._flops += tokens * self.flops_per_token(config, seq)
+        grids = [mb.seq_ctx.extras.get("image_grid_thw") for mb in batch]
+        self._grids += [grid for grid in grids if grid is not None]  # read on logged steps (no host sync here)
         self._window.add(tokens)
         if not is_logged_step(trainer):
             return
         _, seconds, _ = self._window.close(pl_module.device)
+        if self._grids:
+            vision = VisionDims.from_config(pl_module.model_config)
+            self._flops += sum(vision.flops_per_image(*image) for grid in self._grids for image in grid.tolist())
+            self._grids = []
         tflops, self._flops = self._flops / seconds / 1e12, 0.0
         metrics = {"train/tflops_per_device": tflops}
         if self.peak_tflops:

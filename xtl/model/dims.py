@@ -93,12 +93,14 @@ class ModelDims:
         """Read the dimensions of an xtl model config (dense, MoE, MLA).
 
         Args:
-            config: A dense or MoE family config (e.g. ``xtl.model.get_model_config("qwen3-8b")``).
+            config: A dense or MoE family config (e.g. ``xtl.model.get_model_config("qwen3-8b")``); for a
+                vision-language config, its language model's (:class:`VisionDims` counts the vision tower).
             name: Display name (default: the config class name).
 
         Returns:
             The dimensions.
         """
+        config = getattr(config, "text_config", None) or config
         windows = tuple(config.layer_sliding_window(i) for i in range(config.num_hidden_layers))
         return cls(
             vocab_size=config.vocab_size,
@@ -266,6 +268,60 @@ class ModelDims:
         return 6.0 * self.compute_params() + 6.0 * self.num_heads * (self.qk_head_dim + self.v_dim) * keys
 
 
+@dataclass(frozen=True)
+class VisionDims:
+    """Dimensions of a Qwen3-VL vision tower, for its training FLOPs per image.
+
+    Attributes:
+        depth: Vision blocks.
+        hidden_size: Block width C.
+        intermediate_size: Block MLP width.
+        patch_dim: Values per flattened patch (``in_channels * temporal_patch_size * patch_size**2``).
+        spatial_merge_size: m (``m x m`` patches make one LM token).
+        out_hidden_size: LM width the mergers project to.
+        num_mergers: The final merger plus one per DeepStack layer.
+    """
+
+    depth: int
+    hidden_size: int
+    intermediate_size: int
+    patch_dim: int
+    spatial_merge_size: int
+    out_hidden_size: int
+    num_mergers: int
+
+    @classmethod
+    def from_config(cls, config: object) -> VisionDims:
+        """Read a vision config (:class:`xtl.model.compose.Qwen3VLVisionConfig`, or a VLM config's
+        ``vision_config``)."""
+        c = getattr(config, "vision_config", None) or config
+        return cls(
+            depth=c.depth,
+            hidden_size=c.hidden_size,
+            intermediate_size=c.intermediate_size,
+            patch_dim=c.in_channels * c.temporal_patch_size * c.patch_size**2,
+            spatial_merge_size=c.spatial_merge_size,
+            out_hidden_size=c.out_hidden_size,
+            num_mergers=1 + len(c.deepstack_visual_indexes),
+        )
+
+    def flops_per_image(self, t: int, h: int, w: int) -> float:
+        """Training FLOPs of one image of ``t x h x w`` patches (its ``image_grid_thw`` row).
+
+        Weights cost 6 FLOPs per element and row, as in :meth:`ModelDims.flops_per_token`: the patch embedding
+        and the blocks (``4 C^2`` attention, ``2 C I`` MLP) per patch, the mergers (``M^2 + M * out`` with
+        ``M = C m^2``) per merged token. Attention is bidirectional within a frame: ``12 C`` per attended key
+        and patch in each block, every patch attending to the ``h * w`` patches of its frame.
+        """
+        c, merge = self.hidden_size, self.spatial_merge_size**2
+        patches = t * h * w
+        per_patch = self.patch_dim * c + self.depth * (4 * c * c + 2 * c * self.intermediate_size)
+        merged = c * merge
+        per_token = self.num_mergers * (merged * merged + merged * self.out_hidden_size)
+        weights = 6.0 * (patches * per_patch + patches / merge * per_token)
+        return weights + 12.0 * self.depth * c * patches * h * w
+
+
 def _mla_fields(config: DenseConfig) -> dict[str, int]:
     """MLA dimensions of a family whose ``is_mla`` property is true (none otherwise)."""
     if not config.is_mla:
@@ -302,4 +358,4 @@ def _mean_attended_keys(seq_len: int, window: int | None) -> float:
     return window - window * window / (2 * seq_len)
 
 
-__all__ = ["ModelDims"]
+__all__ = ["ModelDims", "VisionDims"]
