@@ -7,7 +7,7 @@ import math
 import warnings
 from functools import partial
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -18,7 +18,7 @@ from torch import nn
 from xtl.model import BaseModel, ModelOutput
 from xtl.strategies.parallelize import ModelTransform, ParallelizingStrategy, SingleDevice, WeightSource
 from xtl.train.generation import GenerationConfig, chat_prompt_ids, generate, split_thinking
-from xtl.train.model_spec import resolve_model_config
+from xtl.train.model_spec import check_module_for_family, resolve_model_config
 from xtl.train.optim import AdamWConfig, OptimizerConfig, ScheduleConfig
 from xtl.train.step import (
     StepResult,
@@ -54,7 +54,18 @@ class LanguageModule(pl.LightningModule):
         seed: Seed of weight initialization.
         param_dtype: Dtype of the parameters without FSDP mixed precision (``float32`` or ``bfloat16``).
         generation: Decoding settings of ``predict`` (greedy by default; the tokenizer's stop tokens are added).
+
+    Attributes:
+        trains_experts: Whether the class trains models with routed experts (router losses, bias updates).
+        trains_vision: Whether the class trains vision-language models.
+
+    Raises:
+        ConfigError: The model's family is not the one this class trains (``model.class_path`` names the class to
+            use).
     """
+
+    trains_experts: ClassVar[bool] = False
+    trains_vision: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -72,6 +83,7 @@ class LanguageModule(pl.LightningModule):
         self.save_hyperparameters()
         self.automatic_optimization = False
         self.model_config, self.hf_dir = resolve_model_config(model, model_overrides)
+        check_module_for_family(type(self), self.model_config, (self.trains_experts, self.trains_vision))
         if not load_weights:
             self.hf_dir = None
         self.optimizer_config = optimizer

@@ -32,6 +32,8 @@ class MoECausalLM(LanguageModule):
         **kwargs: :class:`LanguageModule` arguments.
     """
 
+    trains_experts = True
+
     def __init__(
         self,
         *args: Any,

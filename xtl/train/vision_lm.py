@@ -53,6 +53,8 @@ class VisionLM(LanguageModule):
         **kwargs: :class:`LanguageModule` arguments.
     """
 
+    trains_vision = True
+
     def __init__(
         self,
         *args: Any,
@@ -66,11 +68,6 @@ class VisionLM(LanguageModule):
     ) -> None:
         super().__init__(*args, **kwargs)
         self.save_hyperparameters()
-        if not hasattr(self.model_config, "vision_config"):
-            raise ConfigError(
-                f"VisionLM trains vision-language models (model_type qwen3_vl, qwen3_vl_moe); got "
-                f"{type(self.model_config).__name__}: use CausalLM / MoECausalLM"
-            )
         self.frozen = {"vision": freeze_vision, "merger": freeze_merger, "language": freeze_language}
         if all(self.frozen.values()):
             raise ConfigError("freeze_vision, freeze_merger and freeze_language are all true: nothing to train")
