@@ -159,6 +159,27 @@ class TestVisionDataModule:
         assert moved.seq_ctx.extras["pixel_values"] is not None
         assert moved.seq_ctx.extras is not mb.seq_ctx.extras
 
+    def test_each_image_of_a_pack_equals_that_image_processed_alone_in_document_order(self, tmp_path):
+        """Catches images fed in another order inside a pack: same-size images of distinct colors, two in a
+        document, compared one by one with the processor's output for each image alone."""
+        colors = {"r": (255, 0, 0), "g": (0, 255, 0), "b": (0, 0, 255)}
+        for name, color in colors.items():
+            _image(tmp_path / "img" / f"{name}.png", (64, 64), color)
+        rows = [_record("img/r.png", "img/g.png"), _record("img/b.png")]
+        dm = _datamodule(_write(tmp_path / "d.jsonl", rows), tmp_path / "cache")
+        dm.setup()
+        (pack,) = dm.train_split.packs
+        mb = collate_pack(pack, 0, 256)
+        grid, pixels = mb.seq_ctx.extras["image_grid_thw"], mb.seq_ctx.extras["pixel_values"]
+        processor = ImageProcessorConfig(**SETTINGS).build()
+        plan, images_of = dm.train_split.plan, {0: ["r", "g"], 1: ["b"]}
+        segments = range(int(plan.pack_offsets[0]), int(plan.pack_offsets[1]))
+        order = [name for s in segments for name in images_of[int(plan.seg_sample[s])]]
+        assert len(order) == 3 == len(grid)
+        for i, (name, got) in enumerate(zip(order, pixels.split(grid.prod(-1).tolist()))):
+            alone = processor(images=[mm.load_image(tmp_path / "img" / f"{name}.png", "t")], return_tensors="pt")
+            assert torch.equal(got, alone["pixel_values"]), f"image {i} of the pack is not {name}.png"
+
     def test_warm_start_reads_the_sidecar_and_opens_no_image(self, tmp_path, monkeypatch):
         _image(tmp_path / "a.png", (64, 64))
         path = _write(tmp_path / "d.jsonl", [_record("a.png")] * 3)
@@ -213,4 +234,4 @@ class TestVisionDataModule:
         dm.setup()
         mb = collate_pack(dm.train_split.packs[0], 0, 256)
         assert mb.seq_ctx.extras == {}
-        assert torch.equal(mb.seq_ctx.input_ids, mb.seq_ctx.input_ids)
+        assert mb.seq_ctx.lengths[:2] == [int(n) for n in dm.train_split.data.num_tokens[:2]]
