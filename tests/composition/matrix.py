@@ -1,0 +1,323 @@
+"""The composition matrix: every model family x optional feature x parallel strategy, and what each cell must do.
+
+A cell is ``xtl fit`` of a tiny recipe of the family, with the feature's fragment(s) and the strategy's settings, for
+two optimizer steps. It either trains with finite losses and keeps the exactness claim the feature makes (compared
+with the plain run of the same family and strategy), or it is refused at startup with a ``UserError`` whose message
+contains the text in :data:`REFUSED`. ``docs/configs.md`` shows :func:`render_markdown` of this list
+(``python -m tests.composition.matrix`` rewrites it).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = 2
+
+_TEXT = dict(
+    vocab_size=1600, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=32, max_position_embeddings=512, tie_word_embeddings=True, attn_impl="sdpa",
+)  # fmt: skip
+_VISION = dict(
+    depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=8, spatial_merge_size=2,
+    temporal_patch_size=2, out_hidden_size=128, num_position_embeddings=64, deepstack_visual_indexes=[1],
+)  # fmt: skip
+_VL_TOKENS = dict(image_token_id=1544, vision_start_token_id=1542, vision_end_token_id=1543, video_token_id=1545)
+_MROPE = {
+    "rope_type": "default", "rope_theta": 10000.0, "params": {"mrope_section": [8, 4, 4], "mrope_interleaved": True}
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Family:
+    """A model family of the matrix: its tiny recipe, LightningModule and model fields.
+
+    Attributes:
+        name: Matrix label.
+        recipe: The tiny recipe under ``configs/`` the cell starts from.
+        module: ``model.class_path``.
+        model: ``model.init_args.model`` (replaces the recipe's).
+        moe: Has routed experts (gets the expert-parallel strategy).
+        what: Description for the docs.
+    """
+
+    name: str
+    recipe: str
+    module: str
+    model: dict
+    moe: bool
+    what: str
+
+
+FAMILIES = (
+    Family("dense", "tiny_sft.yaml", "xtl.train.CausalLM", {"model_type": "qwen3", **_TEXT}, False, "Qwen3"),
+    Family(
+        "moe",
+        "tiny_moe_sft.yaml",
+        "xtl.train.MoECausalLM",
+        {"model_type": "qwen3_moe", **_TEXT, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16},
+        True,
+        "Qwen3-MoE",
+    ),
+    Family(
+        "mla",
+        "tiny_moe_sft.yaml",
+        "xtl.train.MoECausalLM",
+        {
+            "model_type": "deepseek_v3",
+            **_TEXT,
+            "num_key_value_heads": 4,
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 16,
+            "n_group": 2,
+            "topk_group": 1,
+            "first_k_dense_replace": 1,
+            "n_shared_experts": 1,
+            "kv_lora_rank": 16,
+            "q_lora_rank": 32,
+            "qk_rope_head_dim": 16,
+            "qk_nope_head_dim": 16,
+            "v_head_dim": 16,
+        },  # fmt: skip
+        True,
+        "DeepSeek-V3: MLA, aux-free router",
+    ),
+    Family(
+        "sinks",
+        "tiny_moe_sft.yaml",
+        "xtl.train.MoECausalLM",
+        {"model_type": "gpt_oss", **_TEXT, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 4},
+        True,
+        "GPT-OSS: attention sinks, sliding window",
+    ),
+    Family(
+        "vlm",
+        "tiny_vlm_sft.yaml",
+        "xtl.train.VisionLM",
+        {
+            "model_type": "qwen3_vl",
+            "tie_word_embeddings": True,
+            **_VL_TOKENS,
+            "text_config": {**_TEXT, "rope": _MROPE},
+            "vision_config": _VISION,
+        },  # fmt: skip
+        False,
+        "Qwen3-VL",
+    ),
+    Family(
+        "vlm_moe",
+        "tiny_vlm_sft.yaml",
+        "xtl.train.VisionMoELM",
+        {
+            "model_type": "qwen3_vl_moe",
+            "tie_word_embeddings": True,
+            **_VL_TOKENS,
+            "vision_config": _VISION,
+            "text_config": {
+                **_TEXT,
+                "rope": _MROPE,
+                "num_experts": 4,
+                "num_experts_per_tok": 2,
+                "moe_intermediate_size": 16,
+            },
+        },  # fmt: skip
+        True,
+        "Qwen3-VL-MoE",
+    ),
+)
+
+
+@dataclass(frozen=True)
+class Feature:
+    """An optional feature: the fragments that switch it on and the claim its cells are held to.
+
+    Attributes:
+        name: Matrix label.
+        fragments: Fragment files under ``callbacks/`` (in order).
+        inline: Extra YAML appended after them (a setting the shipped fragment leaves at another value).
+        claim: ``bitwise``: every step's loss equals the plain run's; ``first_step``: the first loss equals the
+            plain run's (the feature changes the update, not the initial model); ``close``: the first loss is
+            within :data:`CLOSE_RTOL` of the plain run's (the feature changes the numerics).
+        what: Description for the docs.
+    """
+
+    name: str
+    fragments: tuple[str, ...]
+    inline: str
+    claim: str
+    what: str
+
+
+CLOSE_RTOL = 0.05
+
+FEATURES = (
+    Feature("plain", (), "", "bitwise", "no fragment (the reference of its row)"),
+    Feature("checkpointing", ("activation_checkpointing.yaml",), "", "bitwise", "activation checkpointing, full"),
+    Feature(
+        "checkpointing_selective",
+        (),
+        "trainer:\n  callbacks+:\n    - class_path: xtl.callbacks.ActivationCheckpointing\n"
+        "      init_args: {mode: selective}\n",
+        "bitwise",
+        "activation checkpointing, selective",
+    ),
+    Feature("offload", ("activation_offload.yaml",), "", "bitwise", "activation offload"),
+    Feature(
+        "compile",
+        (),
+        "trainer:\n  callbacks+:\n    - class_path: xtl.callbacks.Compile\n      init_args: {backend: aot_eager}\n",
+        "first_step",
+        "compile (`aot_eager` here; the fragment's `inductor` on GPUs)",
+    ),
+    Feature("fp8", ("fp8.yaml",), "", "close", "fp8 tensorwise"),
+    Feature("lora", ("lora.yaml",), "", "first_step", "LoRA"),
+    Feature("qlora", ("lora.yaml", "qlora.yaml"), "", "close", "QLoRA (NF4 base)"),
+    Feature("parity_check", ("parity_check.yaml",), "", "bitwise", "runtime HF parity check"),
+    Feature("throughput", ("throughput.yaml",), "", "bitwise", "throughput / MFU logging"),
+    Feature("hf_export", ("hf_export.yaml",), "", "bitwise", "HF export at the end"),
+)
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """A parallel layout of the matrix.
+
+    Attributes:
+        name: Matrix label.
+        world_size: Processes.
+        yaml: The trainer settings.
+        moe_only: Only for families with routed experts.
+        what: Description for the docs.
+    """
+
+    name: str
+    world_size: int
+    yaml: str
+    moe_only: bool
+    what: str
+
+
+_FSDP = (
+    "trainer:\n  devices: 2\n  precision: 32-true\n  strategy:\n    class_path: xtl.strategies.FSDPStrategy\n"
+    "    init_args:\n      param_dtype: bfloat16\n      reduce_dtype: float32\n      process_group_backend: gloo\n"
+)
+STRATEGIES = (
+    Strategy("single", 1, "trainer:\n  devices: 1\n  precision: bf16-mixed\n", False, "one process, `bf16-mixed`"),
+    Strategy(
+        "fsdp", 2, _FSDP, False, "FSDP2 on 2 ranks, `param_dtype: bfloat16`, `reduce_dtype: float32` (the GPU recipes)"
+    ),
+    Strategy("ep", 2, _FSDP + "      expert_parallel_size: 2\n", True, "FSDP2 + expert parallelism 2 (MoE families)"),
+)
+
+# (family or "*", feature, strategy or "*") -> a text the startup refusal must contain
+REFUSED: dict[tuple[str, str, str], str] = {
+    ("*", "qlora", "fsdp"): "QLoRA is single-device",
+    ("*", "qlora", "ep"): "QLoRA is single-device",
+    ("vlm", "parity_check", "*"): "HFParityCheck compares decoder-only text models",
+    ("vlm_moe", "parity_check", "*"): "HFParityCheck compares decoder-only text models",
+}
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One family x feature x strategy run."""
+
+    family: Family
+    feature: Feature
+    strategy: Strategy
+
+    @property
+    def id(self) -> str:
+        """``family-feature-strategy``."""
+        return f"{self.family.name}-{self.feature.name}-{self.strategy.name}"
+
+    @property
+    def refusal(self) -> str | None:
+        """The text the refusal must contain, or ``None`` when the cell must train."""
+        for (family, feature, strategy), text in REFUSED.items():
+            if feature == self.feature.name and family in ("*", self.family.name):
+                if strategy in ("*", self.strategy.name):
+                    return text
+        return None
+
+    def configs(self, config_dir: Path, run_dir: Path) -> list[str]:
+        """``--config`` arguments: the recipe, the cell's model and trainer settings (written to ``config_dir``,
+        outputs under ``run_dir``), then the feature's fragments."""
+        family, feature = self.family, self.feature
+        base = config_dir / f"{self.id}.yaml"
+        base.write_text(
+            self.strategy.yaml
+            + "  callbacks: []\n  val_check_interval: null\n  enable_progress_bar: false\n"
+            + f"  max_steps: {STEPS}\n  default_root_dir: {run_dir}\n"
+            + "data:\n  val_sources: null\n  test_sources: null\n  predict_source: null\n  pack_max_length: 128\n"
+            + f"model:\n  class_path: {family.module}\n  init_args:\n    model: {_flow(family.model)}\n"
+        )
+        configs = ["--config", str(ROOT / "configs" / family.recipe), "--config", str(base)]
+        for name in feature.fragments:
+            configs += ["--config", str(ROOT / "callbacks" / name)]
+        if feature.inline:
+            inline = config_dir / f"{self.id}.feature.yaml"
+            inline.write_text(feature.inline)
+            configs += ["--config", str(inline)]
+        return configs
+
+
+def cells(strategy: str | None = None) -> list[Cell]:
+    """Every cell of the matrix (of one strategy), in row order."""
+    return [
+        Cell(family, feature, s)
+        for s in STRATEGIES
+        if strategy in (None, s.name)
+        for family in FAMILIES
+        if family.moe or not s.moe_only
+        for feature in FEATURES
+    ]
+
+
+def render_markdown() -> str:
+    """The matrix as the Markdown table of ``docs/configs.md``: one row per family and strategy."""
+    lines = [
+        "| family | strategy | " + " | ".join(f.name for f in FEATURES[1:]) + " |",
+        "|---|---|" + "---|" * (len(FEATURES) - 1),
+    ]
+    notes: dict[str, int] = {}
+    for strategy in STRATEGIES:
+        for family in FAMILIES:
+            if strategy.moe_only and not family.moe:
+                continue
+            marks = []
+            for feature in FEATURES[1:]:
+                refusal = Cell(family, feature, strategy).refusal
+                if refusal is None:
+                    marks.append("trains")
+                else:
+                    number = notes.setdefault(refusal, len(notes) + 1)
+                    marks.append(f"refused ({number})")
+            lines.append(f"| {family.name} | {strategy.name} | " + " | ".join(marks) + " |")
+    lines.append("")
+    lines += [f'({n}) refused at startup: "{text}..."' for text, n in notes.items()]
+    lines.append("")
+    lines += [f"- **{f.name}**: {f.what}." for f in FAMILIES]
+    lines += [f"- **{f.name}**: {f.what}; claim `{f.claim}`." for f in FEATURES[1:]]
+    lines += [f"- **{s.name}**: {s.what}." for s in STRATEGIES]
+    return "\n".join(lines) + "\n"
+
+
+def _flow(value: object) -> str:
+    """``value`` as one line of YAML flow style (JSON is valid YAML)."""
+    import json
+
+    return json.dumps(value)
+
+
+if __name__ == "__main__":
+    docs = ROOT / "docs" / "configs.md"
+    text = docs.read_text()
+    begin, end = "<!-- composition matrix: begin -->\n", "<!-- composition matrix: end -->\n"
+    head, rest = text.split(begin)
+    _, tail = rest.split(end)
+    docs.write_text(head + begin + render_markdown() + end + tail)
+    sys.exit(0)

@@ -1,0 +1,60 @@
+"""A callback that records what the optional features did to a composition-matrix run (rank 0 writes it)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+from torch import nn
+
+from xtl.callbacks import ActivationOffload
+from xtl.callbacks.compile import compiled_frames
+from xtl.utils import atomic_write_bytes
+
+
+class Probe(pl.Callback):
+    """Write ``<default_root_dir>/probe.json`` at the end of the fit.
+
+    It holds: ``calls`` (part -> forward calls of each block's first linear layer: a recomputing block is called
+    again in backward), ``trainable`` / ``total`` parameters, ``float8`` (fp8 linear layers), ``nf4`` (NF4
+    weights), ``compiled_frames`` (frames Dynamo compiled during the fit), ``offloaded_bytes`` and ``files`` (what
+    the run wrote under its root).
+    """
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Hook the blocks and note the compile counter."""
+        self.frames = compiled_frames()
+        self.calls: dict[str, list[int]] = {}
+        for part, stack in pl_module.model.layer_stacks().items():
+            counts = self.calls.setdefault(part, [0] * len(stack))
+            for i, block in enumerate(stack):
+                first = next(m for m in block.modules() if isinstance(m, nn.Linear))
+                first.register_forward_pre_hook(_counter(counts, i))
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Write the record (rank 0)."""
+        model = pl_module.model
+        params = list(model.parameters())
+        offload = [cb for cb in trainer.callbacks if isinstance(cb, ActivationOffload)]
+        root = Path(trainer.default_root_dir)
+        record = {
+            "calls": self.calls,
+            "trainable": sum(p.numel() for p in params if p.requires_grad),
+            "total": sum(p.numel() for p in params),
+            "float8": sum(type(m).__name__ == "Float8Linear" for m in model.modules()),
+            "nf4": sum(type(p.data).__name__ == "NF4Tensor" or type(p).__name__ == "NF4Tensor" for p in params),
+            "compiled_frames": compiled_frames() - self.frames,
+            "offloaded_bytes": sum(cb.stats.offloaded_bytes for cb in offload),
+            "files": sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()),
+        }
+        if trainer.is_global_zero:
+            atomic_write_bytes(root / "probe.json", json.dumps(record).encode())
+
+
+def _counter(counts: list[int], index: int) -> Any:
+    def hook(module: nn.Module, args: Any) -> None:
+        counts[index] += 1
+
+    return hook

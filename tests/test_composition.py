@@ -1,0 +1,140 @@
+"""The composition matrix (:mod:`tests.composition.matrix`): every family x feature x strategy trains two steps and
+keeps its feature's claim, or is refused at startup with a short message; ``docs/configs.md`` shows the matrix."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+from tests.composition.matrix import CLOSE_RTOL, ROOT, STEPS, STRATEGIES, Cell, cells, render_markdown
+from tests.train.test_step import _free_port
+
+TIMEOUT = 900
+
+
+class TestCompositionMatrix:
+    @pytest.mark.parametrize(
+        "cell",
+        [
+            pytest.param(c, id=c.id, marks=[pytest.mark.distributed] if c.strategy.world_size > 1 else [])
+            for c in cells()
+        ],
+    )
+    def test_cell(self, cell: Cell, matrix_results):
+        result = matrix_results(cell.strategy.name)[cell.id]
+        assert result["traceback"] is None, result["traceback"]
+        if cell.refusal is not None:
+            assert result["rc"] == 2, result["stderr"]
+            lines = [line for line in result["stderr"].splitlines() if line.startswith("xtl: error:")]
+            assert lines and cell.refusal in lines[0], result["stderr"]
+            assert "Traceback" not in result["stderr"]
+            return
+        assert result["rc"] == 0, result["stderr"]
+        losses = [float(result["losses"][str(step)]) for step in range(STEPS)]
+        assert all(math.isfinite(loss) for loss in losses), losses
+        plain = matrix_results(cell.strategy.name)[cell.id.replace(f"-{cell.feature.name}-", "-plain-")]
+        _check_claim(cell, result, plain)
+        _check_feature_acts(cell, result, plain)
+
+    def test_docs_show_the_matrix(self):
+        docs = (ROOT / "docs" / "configs.md").read_text()
+        assert render_markdown() in docs, "docs/configs.md is stale: run python -m tests.composition.matrix"
+
+
+def _check_claim(cell: Cell, result: dict, plain: dict) -> None:
+    got, ref = result["losses"], plain["losses"]
+    claim = cell.feature.claim
+    if claim == "bitwise":
+        assert got == ref, f"{cell.feature.name} changed the losses: {got} vs plain {ref}"
+    elif claim == "first_step":
+        assert got["0"] == ref["0"], f"{cell.feature.name} changed the first loss: {got} vs plain {ref}"
+    else:
+        assert math.isclose(float(got["0"]), float(ref["0"]), rel_tol=CLOSE_RTOL), (got, ref)
+
+
+def _check_feature_acts(cell: Cell, result: dict, plain: dict) -> None:
+    """The feature really acted: what it does shows in the probe, the logged metrics or the files."""
+    probe, name = result["probe"], cell.feature.name
+    if name.startswith("checkpointing"):
+        for part, calls in probe["calls"].items():
+            assert all(c == 2 * p for c, p in zip(calls, plain["probe"]["calls"][part])), (part, calls)
+    elif name == "offload":
+        assert probe["offloaded_bytes"] > 0 and "train/offloaded_gib" in result["logged"]
+    elif name == "compile":
+        assert probe["compiled_frames"] > 0 and "train/recompiles" in result["logged"]
+    elif name == "fp8":
+        assert probe["float8"] > 0
+    elif name in ("lora", "qlora"):
+        assert 0 < probe["trainable"] < probe["total"]
+        if name == "qlora":
+            assert probe["nf4"] > 0
+    elif name == "parity_check":
+        assert "parity/step_0.json" in probe["files"]
+        assert "parity/ok" in result["logged"]
+    elif name == "throughput":
+        assert "train/tflops_per_device" in result["logged"]
+    elif name == "hf_export":
+        files = set(probe["files"])
+        assert "hf/final/config.json" in files and any(f.endswith(".safetensors") for f in files), files
+
+
+@pytest.fixture(scope="session")
+def matrix_results(tmp_path_factory, data_cache):
+    """``matrix_results(strategy) -> {cell id: result}``: the strategy's cells, run once per session.
+
+    Single-process cells run in two processes of one thread each (both cores); the cells of a distributed strategy
+    run in one group of ``world_size`` processes that every cell's trainer reuses.
+    """
+
+    @cache
+    def run(strategy: str) -> dict[str, dict]:
+        work = tmp_path_factory.mktemp(f"matrix_{strategy}")
+        chosen = [c.id for c in cells(strategy)]
+        layout = next(s for s in STRATEGIES if s.name == strategy)
+        if layout.world_size == 1:
+            shards = [chosen[i::2] for i in range(2)]
+            jobs = [_start(work / f"part{i}", shard, data_cache, 1, rank=0) for i, shard in enumerate(shards)]
+        else:
+            port = _free_port()
+            jobs = [_start(work, chosen, data_cache, layout.world_size, r, port) for r in range(layout.world_size)]
+        results: dict[str, dict] = {}
+        for proc, out, log in jobs:
+            proc.wait(timeout=TIMEOUT)
+            if out.is_file():
+                results.update(json.loads(out.read_text()))
+            elif proc.returncode:
+                pytest.fail(f"the matrix runner failed:\n{log.read_text()[-4000:]}")
+        missing = [c for c in chosen if c not in results]
+        assert not missing, f"cells without a result (runner died?): {missing}"
+        return results
+
+    return run
+
+
+def _start(work: Path, cell_ids: list[str], cache: Path, world: int, rank: int, port: int = 0):
+    work.mkdir(parents=True, exist_ok=True)
+    out = work / "results.json"
+    spec = work / f"spec_rank{rank}.json"
+    spec.write_text(json.dumps({"cells": cell_ids, "work": str(work), "cache": str(cache), "out": str(out)}))
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+        "WORLD_SIZE": str(world),
+        "RANK": str(rank),
+    }
+    if world > 1:
+        env.update(LOCAL_RANK=str(rank), NODE_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    log = work / f"log_rank{rank}.txt"
+    with log.open("w") as sink:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.composition.runner", str(spec)], cwd=ROOT, env=env, stdout=sink, stderr=sink
+        )
+    return proc, out, log
