@@ -192,6 +192,21 @@ class TestRunParityCheck:
         names = [r.name for r in report.rows]
         assert all(r.exact for r in report.rows[: names.index(layer)]), "rows before the first diverging one are equal"
 
+    @pytest.mark.parametrize("mode", ["hf_impl", "fast"])
+    def test_a_fault_in_the_backward_pass_alone_names_its_gradient_row(self, mode):
+        """Catches a gradient row compared with itself (or not at all): the final norm's weight gradient is doubled
+        by a hook, so every forward row and every other gradient stays equal."""
+        model = tiny_model("qwen3_tied")
+        model.norm.weight.register_hook(lambda grad: 2 * grad)
+        report = check(model, mode=mode)
+        assert not report.ok
+        assert report.first_divergence == "grad norm.weight"
+        assert "first diverging layer: grad norm.weight (" in report.failure_message()
+        failed = [r.name for r in report.rows if not r.ok]
+        assert failed == ["grad norm.weight"], failed
+        if mode == "hf_impl":
+            assert all(r.exact for r in report.rows if r.name != "grad norm.weight")
+
     def test_a_fault_is_caught_in_fast_mode_too(self, monkeypatch):
         wrong_norm_eps(monkeypatch)
         report = check(tiny_model("qwen3_tied"), mode="fast")
