@@ -143,6 +143,29 @@ def _worker(rank: int, port: int, out_path: str) -> None:
     dist.destroy_process_group()
 
 
+def _efsdp_worker(rank: int, port: int, out_path: str) -> None:
+    """4 ranks, EP=2 x efsdp=2: each rank steps on one of the four micro-batches."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=4)
+    meshes = build_expert_parallel_meshes("cpu", 4, ep=2)
+    results = {}
+    for family in FAMILIES:
+        model = _model(family, meta=True)
+        shard_experts(split_experts(model, meshes.ep), meshes, {})
+        fully_shard_model(model, mesh=meshes.dp)
+        model.materialize("cpu")
+        torch.manual_seed(0)
+        model.init_weights()
+        result, _ = _step(model, _micro_batches()[rank : rank + 1], 4)
+        loss_sum = result.loss_sum.clone()
+        dist.all_reduce(loss_sum)
+        grads = {name: _full(p.grad) for name, p in model.named_parameters()}
+        results[family] = {"loss": loss_sum / result.global_tokens, "grads": grads}
+    if rank == 0:
+        torch.save(results, out_path)
+    dist.destroy_process_group()
+
+
 @pytest.fixture(scope="module")
 def ep_results(tmp_path_factory) -> list[dict]:
     """One spawn of 2 processes (EP=2) computing every case below; the results of each rank."""
@@ -195,6 +218,24 @@ class TestExpertParallelStep:
         for name, buffer in reference.named_buffers():
             if "correction_bias" in name:
                 assert torch.equal(got["buffers"][name], buffer), f"aux-free bias update differs: {name}"
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+class TestExpertDataParallel:
+    def test_ep2_by_efsdp2_on_four_ranks_equals_one_process(self, tmp_path):
+        """Catches expert gradients divided by the expert-parallel size instead of the data-parallel size: with
+        efsdp = 2 the two differ (with 2 ranks and EP = 2 they are both 2). Loss and every gradient within 1e-5."""
+        out = tmp_path / "efsdp.pt"
+        mp.spawn(_efsdp_worker, args=(_free_port(), str(out)), nprocs=4, join=True)
+        got = torch.load(out)
+        for family in FAMILIES:
+            reference = _model(family)
+            result, _ = _step(reference, _micro_batches(), 1)
+            want = result.loss_sum / result.global_tokens
+            torch.testing.assert_close(got[family]["loss"], want, rtol=1e-5, atol=0, msg=family)
+            for name, p in reference.named_parameters():
+                torch.testing.assert_close(got[family]["grads"][name], p.grad, **TOL, msg=f"{family} {name}")
 
 
 class TestLayoutErrors:
