@@ -2,6 +2,7 @@
 
 from xtl.callbacks.activation_checkpointing import ActivationCheckpointing
 from xtl.callbacks.activation_offload import ActivationOffload, OffloadStats
+from xtl.callbacks.checkpoint import ModelCheckpoint
 from xtl.callbacks.compile import Compile
 from xtl.callbacks.fp8 import FP8Training
 from xtl.callbacks.generation_eval import GenerationEval
@@ -21,6 +22,7 @@ __all__ = [
     "HFExport",
     "HFParityCheck",
     "LoRA",
+    "ModelCheckpoint",
     "OffloadStats",
     "QLoRA",
     "StepProgressBar",
