@@ -12,10 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import xtl.cli
 from xtl.cli import bf16_fallback, main
+from xtl.train.generation import chat_prompt_ids, split_thinking, stop_token_ids
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = sorted((ROOT / "configs").glob("*.yaml"))
@@ -228,7 +229,7 @@ class TestFSDPResume:
             "  val_check_interval: null\n"
             "  enable_progress_bar: false\n"
             "  callbacks:\n"
-            "    - class_path: lightning.pytorch.callbacks.ModelCheckpoint\n"
+            "    - class_path: xtl.callbacks.ModelCheckpoint\n"
             "      init_args: {dirpath: ckpt, save_last: true, every_n_train_steps: 5, save_top_k: -1}\n"
             "data:\n"
             "  val_sources: null\n"
@@ -280,14 +281,27 @@ class TestFSDPResume:
         assert logits.shape == (1, 12, 1600) and torch.isfinite(logits).all()
 
 
+def _transformers_answer(export: Path, conversation: list[dict], max_new_tokens: int) -> str:
+    """transformers' greedy answer to the conversation's prompt (a trailing assistant turn dropped), as
+    ``xtl predict`` renders and decodes it (stop tokens removed, thinking split off)."""
+    tokenizer = AutoTokenizer.from_pretrained(export)
+    messages = conversation[:-1] if conversation[-1]["role"] == "assistant" else conversation
+    prompt = chat_prompt_ids(tokenizer, messages, "qwen3")
+    stops = list(stop_token_ids(tokenizer, "qwen3"))
+    model = AutoModelForCausalLM.from_pretrained(export, attn_implementation="eager")
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=stops)
+    new = [t for t in out[0, len(prompt) :].tolist() if t not in stops]
+    return split_thinking(tokenizer.decode(new, skip_special_tokens=False))[1]
+
+
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory: pytest.TempPathFactory, data_cache: Path) -> Path:
-    """A directory holding a 1-step tiny SFT run (checkpoint and HF export under ``runs/tiny_sft``)."""
+    """A directory holding a 300-step tiny SFT run (checkpoint and HF export under ``runs/tiny_sft``; it answers)."""
     work = tmp_path_factory.mktemp("tiny_run")
     args = _tiny_args(ROOT / "configs/tiny_sft.yaml", data_cache, "--config", str(ROOT / "callbacks/hf_export.yaml"))
     with pytest.MonkeyPatch.context() as patch:
         patch.chdir(work)
-        assert _run_main(["fit", *args, "--trainer.max_steps", "1", "--trainer.val_check_interval", "1"]) == 0
+        assert _run_main(["fit", *args, "--trainer.max_steps", "300", "--trainer.val_check_interval", "300"]) == 0
     return work
 
 
@@ -305,7 +319,9 @@ class TestTestPredictAndGenerate:
         assert not any(key.startswith("val/") for key in logged)
 
     def test_predict_writes_one_answer_per_prompt(self, tiny_run, monkeypatch, data_cache):
+        """Each answer is transformers' greedy answer from the run's HF export (catches empty or wrong answers)."""
         monkeypatch.chdir(tiny_run)
+        monkeypatch.setenv("XTL_HF_IMPL", "1")  # transformers' exact ops: greedy tokens equal on near-ties too
         conversations = [
             [{"role": "user", "content": "What is 2+3?"}],
             [{"role": "user", "content": "Repeat: pencil"}, {"role": "assistant", "content": "pencil"}],
@@ -322,13 +338,15 @@ class TestTestPredictAndGenerate:
             str(prompts),
             "--data.predict_batch_size",
             "2",
-            "--model.init_args.generation.max_new_tokens",
-            "6",
+            "--trainer.precision",
+            "32-true",
         ]
         assert _run_main(args) == 0
         rows = [json.loads(line) for line in Path("runs/tiny_sft/predictions.jsonl").read_text().splitlines()]
         assert [row["messages"] for row in rows] == conversations
-        assert all(isinstance(row["output"], str) for row in rows)
+        expected = [_transformers_answer(Path("runs/tiny_sft/hf/final"), c, 32) for c in conversations]  # the recipe's
+        assert [row["output"] for row in rows] == expected
+        assert any(expected), "the tiny model answers something"
         assert not list(Path("runs/tiny_sft").glob(".predictions.jsonl.tmp-*")), "written through a temporary name"
 
     def test_generate_answers_from_the_checkpoint_and_from_its_hf_export(self, tiny_run, monkeypatch, capsys):
