@@ -93,6 +93,21 @@ class TestRecompiles:
         assert logged == [("train/recompiles", 0.0), ("train/recompiles", 0.0), ("train/recompiles", 2.0)]
 
 
+    def test_a_real_recompile_is_counted(self):
+        """Catches a counter that reads 0 whatever happens: Dynamo really compiles again for a new input shape."""
+        logged = []
+        module = SimpleNamespace(log=lambda key, value, **kwargs: logged.append(value))
+        callback = Compile(backend="eager")
+        double = torch.compile(lambda x: x * 2, backend="eager", dynamic=False)
+        double(torch.ones(3))
+        callback.on_train_batch_end(None, module, None, None, 0)  # the first step's compiles are not counted
+        double(torch.ones(3))
+        callback.on_train_batch_end(None, module, None, None, 1)
+        double(torch.ones(5))  # a new shape: one more frame
+        callback.on_train_batch_end(None, module, None, None, 2)
+        assert logged == [0.0, 0.0, 1.0]
+
+
 class TestTinyRuns:
     def test_aot_eager_losses_equal_eager_and_nothing_recompiles(self, tiny_fit):
         base = tiny_fit("tiny_sft.yaml")
