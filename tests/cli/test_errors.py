@@ -88,6 +88,21 @@ class TestBadConfig:
         code, err = self._fit(tmp_path, capsys, "--model.init_args.optimizer.lr", "fast")
         _assert_short(code, err, '"lr"', "Expected a <class 'float'>. Got value: fast")
 
+    @pytest.mark.parametrize(
+        ("recipe", "class_path", "use"),
+        [
+            ("tiny_moe_sft.yaml", "xtl.train.CausalLM", "xtl.train.MoECausalLM"),
+            ("tiny_sft.yaml", "xtl.train.MoECausalLM", "xtl.train.CausalLM"),
+            ("tiny_vlm_sft.yaml", "xtl.train.CausalLM", "xtl.train.VisionLM"),
+            ("tiny_vlm_sft.yaml", "xtl.train.VisionMoELM", "xtl.train.VisionLM"),
+            ("tiny_sft.yaml", "xtl.train.VisionLM", "xtl.train.CausalLM"),
+        ],
+    )
+    def test_a_family_with_the_wrong_module_is_refused(self, recipe, class_path, use, capsys):
+        """An MoE model under the dense module would train without router losses and bias updates."""
+        code, err = _run(["fit", "--config", str(ROOT / "configs" / recipe), "--model.class_path", class_path], capsys)
+        _assert_short(code, err, f"model.class_path {class_path} does not train", f"use model.class_path: {use}")
+
     def test_xtl_debug_shows_the_traceback(self, tmp_path, capsys, monkeypatch):
         monkeypatch.setenv("XTL_DEBUG", "1")
         config = tmp_path / "typo.yaml"
