@@ -27,10 +27,12 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from xtl.data import XTLDataModule
 from xtl.errors import UserError, debug_enabled, did_you_mean, short_message
+from xtl.strategies.checkpoint_io import raise_if_unreadable
 from xtl.train import LanguageModule
 from xtl.train.optim import OptimizerConfig
 
 LIGHTNING_SUBCOMMANDS = ("fit", "validate", "test", "predict")
+CKPT_KEYWORDS = ("last", "best", "hpc")  # --ckpt_path values Lightning resolves itself
 
 # Model arguments that were grouped into ``optimizer`` / ``schedule``: old key -> new key (under model.init_args).
 MOVED_MODEL_KEYS = {
@@ -111,6 +113,14 @@ class XTLCLI(LightningCLI):
             bar = Namespace(class_path="xtl.callbacks.StepProgressBar", init_args=Namespace(refresh_rate=1))
             trainer.callbacks = [*(trainer.callbacks or []), bar]
 
+    def _parse_ckpt_path(self) -> None:
+        """Check a ``--ckpt_path`` file or directory before Lightning reads its hyperparameters from it."""
+        subcommand = self.config.get("subcommand")
+        path = self.config[subcommand].get("ckpt_path") if subcommand else None
+        if path and path not in CKPT_KEYWORDS:
+            raise_if_unreadable(Path(path))
+        super()._parse_ckpt_path()
+
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``xtl`` console script."""
@@ -146,7 +156,8 @@ def _main(argv: list[str] | None) -> int:
         cause = _user_error_in(exc)
         if cause is None or debug_enabled():
             raise
-        print(f"xtl: error: {short_message(cause)}", file=sys.stderr)
+        if _rank() == 0:  # every rank of a distributed run meets the same error; one says it
+            print(f"xtl: error: {short_message(cause)}", file=sys.stderr)
         return 2
     return 0
 
@@ -206,6 +217,11 @@ def moved_key_error(argv: list[str]) -> str | None:
             if found:
                 return found
     return None
+
+
+def _rank() -> int:
+    """This process's global rank as its launcher set it (0 without one)."""
+    return int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) or 0)
 
 
 def _user_error_in(exc: BaseException) -> UserError | None:

@@ -92,7 +92,6 @@ class TestRecompiles:
             callback.on_train_batch_end(None, module, None, None, i)
         assert logged == [("train/recompiles", 0.0), ("train/recompiles", 0.0), ("train/recompiles", 2.0)]
 
-
     def test_a_real_recompile_is_counted(self):
         """Catches a counter that reads 0 whatever happens: Dynamo really compiles again for a new input shape."""
         logged = []

@@ -12,6 +12,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 
 from xtl.errors import ConfigError
 from xtl.model import BaseModel
+from xtl.strategies.checkpoint_io import raise_if_unreadable
 from xtl.strategies.expert_parallel import (
     ExpertParallelMeshes,
     build_expert_parallel_meshes,
@@ -156,6 +157,16 @@ class FSDPStrategy(ShardedStrategyMixin, ModelParallelStrategy):
         if self.global_rank == 0:
             _replace(tmp, path)
         self.barrier()
+
+    def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
+        """Load a DCP directory (or a full checkpoint file) after checking it is whole.
+
+        Raises:
+            CheckpointError: On every rank, naming the damaged checkpoint and the newest intact one beside it.
+        """
+        path = Path(self.broadcast(str(checkpoint_path)))
+        raise_if_unreadable(path)
+        return super().load_checkpoint(path, weights_only=weights_only)
 
 
 def _replace(src: Path, dst: Path) -> None:
