@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from functools import cache
@@ -17,6 +18,8 @@ from tests.composition.matrix import CLOSE_RTOL, ROOT, STEPS, STRATEGIES, Cell, 
 from tests.train.test_step import _free_port
 
 TIMEOUT = 900
+# a Python warning, a torch/glog warning or error line ("W1201 12:00:00.0 ..."), or a library's load failure
+NOISE = re.compile(r"Warning|warn\(|^(\[rank\d+\]:)?[WE]\d{4} |Failed to load", re.IGNORECASE)
 
 
 class TestCompositionMatrix:
@@ -37,6 +40,8 @@ class TestCompositionMatrix:
             assert "Traceback" not in result["stderr"]
             return
         assert result["rc"] == 0, result["stderr"]
+        noise = [line for line in result["stderr"].splitlines() if NOISE.search(line)]
+        assert not noise, "warnings a user cannot act on:\n" + "\n".join(noise)
         losses = [float(result["losses"][str(step)]) for step in range(STEPS)]
         assert all(math.isfinite(loss) for loss in losses), losses
         plain = matrix_results(cell.strategy.name)[cell.id.replace(f"-{cell.feature.name}-", "-plain-")]
@@ -111,6 +116,10 @@ def matrix_results(tmp_path_factory, data_cache):
                 results.update(json.loads(out.read_text()))
             elif proc.returncode:
                 pytest.fail(f"the matrix runner failed:\n{log.read_text()[-4000:]}")
+        for rank in range(1, layout.world_size):  # what the other ranks printed
+            peer = work / f"results.rank{rank}.json"
+            for cell_id, result in (json.loads(peer.read_text()) if peer.is_file() else {}).items():
+                results[cell_id]["stderr"] += result["stderr"]
         missing = [c for c in chosen if c not in results]
         assert not missing, f"cells without a result (runner died?): {missing}"
         return results

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import csv
-import io
 import json
 import os
 import sys
+import tempfile
 import traceback
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
@@ -43,8 +44,8 @@ def run_cells(spec: dict) -> dict[str, dict]:
         run_dir = work / cell_id
         args = ["fit", *cell.configs(config_dir, run_dir), "--config", str(probe), "--data.cache_dir", spec["cache"]]
         results[cell_id] = run_cell(args, run_dir)
-        if rank == 0:
-            atomic_write_bytes(Path(spec["out"]), json.dumps(results).encode())
+        out = Path(spec["out"])
+        atomic_write_bytes(out if rank == 0 else out.with_suffix(f".rank{rank}.json"), json.dumps(results).encode())
     return results
 
 
@@ -56,9 +57,8 @@ def run_cell(args: list[str], run_dir: Path) -> dict:
         ``traceback`` (of an escaped exception), ``losses`` (``train/loss`` per step as logged) and ``probe``
         (what :class:`tests.composition.probe.Probe` recorded).
     """
-    err = io.StringIO()
     result: dict = {"traceback": None}
-    with contextlib.redirect_stderr(err):
+    with _captured_stderr() as err:
         try:
             result["rc"] = main(args)
         except SystemExit as exit_:
@@ -66,7 +66,7 @@ def run_cell(args: list[str], run_dir: Path) -> dict:
         except Exception:  # a bug: recorded for the test to show, the next cell still runs
             result["rc"] = -1
             result["traceback"] = traceback.format_exc()[-6000:]
-    result["stderr"] = err.getvalue()[-4000:]
+    result["stderr"] = err["text"][-8000:]
     if int(os.environ.get("RANK", "0")) != 0:  # rank 0 reads the run's files once they are complete
         return result
     metrics = sorted(run_dir.glob("logs/version_*/metrics.csv"))
@@ -76,6 +76,25 @@ def run_cell(args: list[str], run_dir: Path) -> dict:
     probe = run_dir / "probe.json"
     result["probe"] = json.loads(probe.read_text()) if probe.is_file() else None
     return result
+
+
+@contextlib.contextmanager
+def _captured_stderr() -> Iterator[dict[str, str]]:
+    """``{"text": ...}``: everything written to file descriptor 2 meanwhile (Python, torch's C++ and the logging
+    handlers alike), filled in on exit."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    captured = {"text": ""}
+    with tempfile.TemporaryFile("w+b") as sink:
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield captured
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            sink.seek(0)
+            captured["text"] = sink.read().decode(errors="replace")
 
 
 if __name__ == "__main__":

@@ -66,7 +66,9 @@ class _DeepStackMixin:
         if self._deepstack is not None:
             pos_mask, features = self._deepstack
             for i, feature in enumerate(features):
-                handles.append(self.layers[i].register_forward_hook(_DeepStackAdd(pos_mask, feature)))
+                # eager inside a compiled layer: the masked update has a data-dependent number of rows
+                add = torch.compiler.disable(_DeepStackAdd(pos_mask, feature))
+                handles.append(self.layers[i].register_forward_hook(add))
         try:
             return super().run_layers(hidden, position_embeddings, mask, attention_mask, seq_ctx, kv_cache)
         finally:

@@ -1,0 +1,48 @@
+"""Silence third-party messages a user cannot act on (``XTL_DEBUG=1`` shows them all).
+
+Imported by ``xtl/__init__.py``, so every xtl process (the command, notebooks, benchmarks) is quiet:
+
+- torchao logs "Failed to load ... _C_mxfp8 / _C_cutlass_90a" when its optional CUDA extensions do not match the
+  machine, and registers enums as pytree constants, which torch's pytree module warns about;
+- torch's DTensor notes that gathering an expert-parallel weight whole (for an export or a parity check) takes two
+  all-gathers;
+- Lightning warns that a rank's list of evaluation dataloaders is empty when a run has no validation sets.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+from xtl.errors import debug_enabled
+
+# (logger name, text of its records that are dropped)
+_LOG_NOISE = (
+    ("torchao", "Failed to load"),
+    ("torch.utils._pytree", "register_constant"),
+    # gathering an expert-parallel weight whole (export, parity check): the DTensor takes two all-gathers
+    ("torch.distributed.tensor._redistribute", "sequential all_gather"),
+)
+# warnings whose text starts with these
+_WARNING_NOISE = ("Total length of `list` across ranks is zero",)
+
+
+class _DropContaining(logging.Filter):
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.text = text
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.text not in record.getMessage()
+
+
+def silence_third_party_noise() -> None:
+    """Install the filters (idempotent; nothing is filtered when ``XTL_DEBUG`` is set)."""
+    if debug_enabled():
+        return
+    for name, text in _LOG_NOISE:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropContaining) and f.text == text for f in logger.filters):
+            logger.addFilter(_DropContaining(text))
+    for text in _WARNING_NOISE:
+        warnings.filterwarnings("ignore", message=f"{text}.*")
