@@ -14,7 +14,18 @@ from pathlib import Path
 
 import pytest
 
-from tests.composition.matrix import CLOSE_RTOL, ROOT, STEPS, STRATEGIES, Cell, cells, render_markdown
+from tests.composition.matrix import (
+    CLOSE_RTOL,
+    GPU_RECIPES,
+    RECIPE_STEPS,
+    ROOT,
+    STEPS,
+    STRATEGIES,
+    Cell,
+    cells,
+    recipe_runs,
+    render_markdown,
+)
 from tests.train.test_step import _free_port
 
 TIMEOUT = 900
@@ -51,6 +62,20 @@ class TestCompositionMatrix:
     def test_docs_show_the_matrix(self):
         docs = (ROOT / "docs" / "configs.md").read_text()
         assert render_markdown() in docs, "docs/configs.md is stale: run python -m tests.composition.matrix"
+
+
+class TestGPURecipes:
+    @pytest.mark.distributed
+    @pytest.mark.parametrize("recipe", GPU_RECIPES)
+    def test_trains_three_steps_on_two_cpu_ranks(self, recipe, matrix_results):
+        """The recipe's FSDP settings (``param_dtype: bfloat16``, its checkpointing callbacks; EP where it sets
+        EP), with a tiny model and data, on 2 gloo ranks."""
+        result = matrix_results("fsdp")[f"recipe-{recipe.removesuffix('.yaml')}"]
+        assert result["traceback"] is None, result["traceback"]
+        assert result["rc"] == 0, result["stderr"]
+        losses = [float(result["losses"][str(step)]) for step in range(RECIPE_STEPS)]
+        assert all(math.isfinite(loss) for loss in losses), losses
+        assert "checkpoints/last.ckpt/.metadata" in result["probe"]["files"]
 
 
 def _check_claim(cell: Cell, result: dict, plain: dict) -> None:
@@ -108,7 +133,11 @@ def matrix_results(tmp_path_factory, data_cache):
             jobs = [_start(work / f"part{i}", shard, data_cache, 1, rank=0) for i, shard in enumerate(shards)]
         else:
             port = _free_port()
-            jobs = [_start(work, chosen, data_cache, layout.world_size, r, port) for r in range(layout.world_size)]
+            runs = recipe_runs(work, work) if strategy == "fsdp" else {}  # the GPU recipes share the group
+            jobs = [
+                _start(work, chosen, data_cache, layout.world_size, r, port, runs) for r in range(layout.world_size)
+            ]
+            chosen += list(runs)
         results: dict[str, dict] = {}
         for proc, out, log in jobs:
             proc.wait(timeout=TIMEOUT)
@@ -127,11 +156,15 @@ def matrix_results(tmp_path_factory, data_cache):
     return run
 
 
-def _start(work: Path, cell_ids: list[str], cache: Path, world: int, rank: int, port: int = 0):
+def _start(
+    work: Path, cell_ids: list[str], cache: Path, world: int, rank: int, port: int = 0, runs: dict | None = None
+):
     work.mkdir(parents=True, exist_ok=True)
     out = work / "results.json"
     spec = work / f"spec_rank{rank}.json"
-    spec.write_text(json.dumps({"cells": cell_ids, "work": str(work), "cache": str(cache), "out": str(out)}))
+    spec.write_text(
+        json.dumps({"cells": cell_ids, "runs": runs or {}, "work": str(work), "cache": str(cache), "out": str(out)})
+    )
     env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",

@@ -265,6 +265,41 @@ class Cell:
         return configs
 
 
+# The GPU recipes' own trainer, strategy and callback settings on 2 CPU ranks, with a tiny model and data.
+GPU_RECIPES = ("qwen3_0.6b_sft.yaml", "llama3.1_8b_sft.yaml", "qwen3_8b_pretrain.yaml", "qwen3_30b_a3b_sft.yaml")
+RECIPE_STEPS = 3
+
+
+def recipe_runs(config_dir: Path, work: Path) -> dict[str, tuple[list[str], str]]:
+    """``recipe-<name> -> (--config arguments, root folder)`` of each GPU recipe with CPU-sized overrides: the
+    accelerator, 2 devices (EP 2 where the recipe sets EP), a CSV logger, tiny model, tokenizer and data."""
+    runs = {}
+    for recipe in GPU_RECIPES:
+        name = f"recipe-{recipe.removesuffix('.yaml')}"
+        text = (ROOT / "configs" / recipe).read_text()
+        moe = "expert_parallel_size" in text
+        model = {"model_type": "qwen3_moe", **_TEXT, "num_experts": 4, "num_experts_per_tok": 2,
+                 "moe_intermediate_size": 16} if moe else {"model_type": "qwen3", **_TEXT}  # fmt: skip
+        source = {"path": "tiny:pretrain.jsonl", "kind": "text"} if "kind: text" in text else {
+            "path": "tiny:sft_train.jsonl", "kind": "chat"}  # fmt: skip
+        strategy = "{process_group_backend: gloo" + (", expert_parallel_size: 2}" if moe else "}")
+        override = config_dir / f"{name}.yaml"
+        override.write_text(
+            f"trainer:\n  accelerator: cpu\n  devices: 2\n  max_steps: {RECIPE_STEPS}\n  val_check_interval: null\n"
+            f"  enable_progress_bar: false\n  default_root_dir: {work / name}\n"
+            "  logger:\n    - class_path: lightning.pytorch.loggers.CSVLogger\n"
+            "      init_args: {save_dir: ., name: logs}\n"
+            f"  strategy:\n    init_args: {strategy}\n"
+            f"model:\n  init_args:\n    model: {_flow(model)}\n"
+            f"data:\n  sources: [{_flow(source)}]\n  tokenizer: 'tiny:'\n  pack_max_length: 128\n  num_workers: 0\n"
+            + (
+                "  template: qwen3\n" if "template:" in text else ""
+            )  # the tiny tokenizer's (llama3's needs its tokens)
+        )
+        runs[name] = (["--config", str(ROOT / "configs" / recipe), "--config", str(override)], str(work / name))
+    return runs
+
+
 def cells(strategy: str | None = None) -> list[Cell]:
     """Every cell of the matrix (of one strategy), in row order."""
     return [

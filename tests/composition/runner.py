@@ -1,9 +1,10 @@
 """Run composition-matrix cells one after another in this process (and its peers, for a distributed strategy).
 
-``python -m tests.composition.runner SPEC.json``; the spec names the cells, the work and data-cache folders and
-the results file. Started with ``WORLD_SIZE``/``RANK``/``LOCAL_RANK`` in the environment, the processes form one
-gloo group first and every cell's trainer reuses it, so many distributed cells share one start-up. Rank 0 writes
-the results after each cell (a crash keeps what was done).
+``python -m tests.composition.runner SPEC.json``; the spec names the cells (and other ``xtl fit`` runs), the work
+and data-cache folders and the results file. Started with ``WORLD_SIZE``/``RANK``/``LOCAL_RANK`` in the
+environment, the processes form one gloo group first and every cell's trainer reuses it, so many distributed cells
+share one start-up. Each rank writes its results after each cell (a crash keeps what was done); rank 0's also hold
+what the run wrote (losses, the probe).
 """
 
 from __future__ import annotations
@@ -38,11 +39,12 @@ def run_cells(spec: dict) -> dict[str, dict]:
     probe = config_dir / "probe.yaml"
     probe.write_text(PROBE)
     by_id = {cell.id: cell for cell in cells()}
+    # matrix cells by id, then free-form runs: id -> (arguments after ``fit``, the run's root folder)
+    runs = {cell_id: (by_id[cell_id].configs(config_dir, work / cell_id), work / cell_id) for cell_id in spec["cells"]}
+    runs.update({run_id: (args, Path(root)) for run_id, (args, root) in spec.get("runs", {}).items()})
     results: dict[str, dict] = {}
-    for cell_id in spec["cells"]:
-        cell = by_id[cell_id]
-        run_dir = work / cell_id
-        args = ["fit", *cell.configs(config_dir, run_dir), "--config", str(probe), "--data.cache_dir", spec["cache"]]
+    for cell_id, (configs, run_dir) in runs.items():
+        args = ["fit", *configs, "--config", str(probe), "--data.cache_dir", spec["cache"]]
         results[cell_id] = run_cell(args, run_dir)
         out = Path(spec["out"])
         atomic_write_bytes(out if rank == 0 else out.with_suffix(f".rank{rank}.json"), json.dumps(results).encode())
