@@ -1,4 +1,4 @@
-"""``xtl.callbacks.ModelCheckpoint``: ``last`` holds the final step of a fit that ends between two saves."""
+"""``xtl.callbacks.TrainingCheckpoint``: ``last`` holds the final step of a fit that ends between two saves."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ class TestLastIsTheNewestState:
         monkeypatch.chdir(tmp_path)
         every_two = tmp_path / "every_two.yaml"
         every_two.write_text(
-            "trainer:\n  val_check_interval: null\n  callbacks:\n    - class_path: xtl.callbacks.ModelCheckpoint\n"
+            "trainer:\n  val_check_interval: null\n  callbacks:\n    - class_path: xtl.callbacks.TrainingCheckpoint\n"
             "      init_args: {dirpath: checkpoints, save_last: true, every_n_train_steps: 2, save_top_k: -1}\n"
             "data:\n  val_sources: null\n"
         )
@@ -29,5 +29,5 @@ class TestLastIsTheNewestState:
     @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
     def test_every_recipe_checkpoints_with_it(self, recipe):
         callbacks = yaml.safe_load(recipe.read_text())["trainer"].get("callbacks", [])
-        paths = [c["class_path"] for c in callbacks if c["class_path"].endswith("ModelCheckpoint")]
-        assert paths == ["xtl.callbacks.ModelCheckpoint"]
+        paths = [c["class_path"] for c in callbacks if c["class_path"].endswith(("ModelCheckpoint", "Checkpoint"))]
+        assert paths == ["xtl.callbacks.TrainingCheckpoint"]

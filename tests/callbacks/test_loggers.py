@@ -39,7 +39,7 @@ class TestFragmentsParse:
             main(args)
         assert exit_.value.code in (0, None)
         out = capsys.readouterr().out
-        assert "CSVLogger" in out and "ModelCheckpoint" in out, "a fragment appends, it does not replace"
+        assert "CSVLogger" in out and "TrainingCheckpoint" in out, "a fragment appends, it does not replace"
         expected = {
             "wandb.yaml": "WandbLogger",
             "throughput.yaml": "Throughput",

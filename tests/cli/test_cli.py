@@ -67,7 +67,7 @@ class TestConfigsParse:
         args = ["fit", "--config", str(ROOT / "configs/tiny_sft.yaml"), "--config", str(fragment), "--print_config"]
         assert _run_main(args) == 0
         out = capsys.readouterr().out
-        assert "ModelCheckpoint" in out, "a fragment must append callbacks, not replace them"
+        assert "TrainingCheckpoint" in out, "a fragment must append callbacks, not replace them"
         assert fragment.stem.replace("_", "").lower()[:4] in out.replace("_", "").lower() or "xtl.callbacks" in out
 
     def test_typo_in_a_key_is_reported(self, capsys):
@@ -229,7 +229,7 @@ class TestFSDPResume:
             "  val_check_interval: null\n"
             "  enable_progress_bar: false\n"
             "  callbacks:\n"
-            "    - class_path: xtl.callbacks.ModelCheckpoint\n"
+            "    - class_path: xtl.callbacks.TrainingCheckpoint\n"
             "      init_args: {dirpath: ckpt, save_last: true, every_n_train_steps: 5, save_top_k: -1}\n"
             "data:\n"
             "  val_sources: null\n"

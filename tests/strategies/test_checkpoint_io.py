@@ -23,7 +23,7 @@ EVERY_STEP = (
     "trainer:\n  val_check_interval: null\n  enable_progress_bar: false\n"
     "  logger:\n    - class_path: lightning.pytorch.loggers.CSVLogger\n"
     "      init_args: {save_dir: ., name: logs, flush_logs_every_n_steps: 1}\n"
-    "  callbacks:\n    - class_path: xtl.callbacks.ModelCheckpoint\n"
+    "  callbacks:\n    - class_path: xtl.callbacks.TrainingCheckpoint\n"
     "      init_args: {dirpath: checkpoints, save_last: true, every_n_train_steps: 1, save_top_k: -1}\n"
     "data:\n  val_sources: null\n"
 )

@@ -2,7 +2,7 @@
 
 from xtl.callbacks.activation_checkpointing import ActivationCheckpointing
 from xtl.callbacks.activation_offload import ActivationOffload, OffloadStats
-from xtl.callbacks.checkpoint import ModelCheckpoint
+from xtl.callbacks.checkpoint import TrainingCheckpoint
 from xtl.callbacks.compile import Compile
 from xtl.callbacks.fp8 import FP8Training
 from xtl.callbacks.generation_eval import GenerationEval
@@ -22,9 +22,9 @@ __all__ = [
     "HFExport",
     "HFParityCheck",
     "LoRA",
-    "ModelCheckpoint",
     "OffloadStats",
     "QLoRA",
     "StepProgressBar",
     "Throughput",
+    "TrainingCheckpoint",
 ]

@@ -10,8 +10,11 @@ from lightning.pytorch.callbacks import ModelCheckpoint as LightningModelCheckpo
 from xtl.strategies.checkpoint_io import recover_interrupted_replace
 
 
-class ModelCheckpoint(LightningModelCheckpoint):
+class TrainingCheckpoint(LightningModelCheckpoint):
     """``lightning.pytorch.callbacks.ModelCheckpoint`` (same arguments), with ``save_last`` kept up to date.
+
+    (Its own name, so that a config naming Lightning's class by its short name ``ModelCheckpoint`` stays
+    unambiguous.)
 
     Lightning writes ``last.ckpt`` only when another checkpoint is saved (every ``every_n_train_steps``, at a
     validation), so a run that ends between two saves -- ``max_steps`` not a multiple of ``every_n_train_steps`` --

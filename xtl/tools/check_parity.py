@@ -33,7 +33,7 @@ EXAMPLES = f"""examples:
 _DTYPES = ("float32", "bfloat16")
 # The engine's modes and tolerance presets, spelled out so that --help does not import torch (a test keeps them equal).
 MODES = ("hf_impl", "fast")
-TOLERANCE_CHOICES = ("auto", "bitwise", "fp32", "bf16", "fp8")
+TOLERANCE_CHOICES = ("auto", "bitwise", "bitwise_forward", "fp32", "bf16", "fp8")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
