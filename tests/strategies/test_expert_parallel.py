@@ -109,6 +109,17 @@ def _dispatcher_case(rank: int, group) -> dict:
     }
 
 
+def _sharded_model(family: str, meshes) -> torch.nn.Module:
+    """The family's model with experts split over ``ep`` and FSDP2 over the meshes, initialized from seed 0."""
+    model = _model(family, meta=True)
+    shard_experts(split_experts(model, meshes.ep), meshes, {})
+    fully_shard_model(model, mesh=meshes.dp)
+    model.materialize("cpu")
+    torch.manual_seed(0)
+    model.init_weights()
+    return model
+
+
 def _worker(rank: int, port: int, out_path: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
@@ -116,12 +127,7 @@ def _worker(rank: int, port: int, out_path: str) -> None:
     results: dict = {"dispatcher": _dispatcher_case(rank, meshes.ep.get_group()), "out_path": out_path}
     batches = _micro_batches()[2 * rank : 2 * rank + 2]  # the four of tests.train.test_step: rank r takes 2r, 2r+1
     for family in FAMILIES:
-        model = _model(family, meta=True)
-        shard_experts(split_experts(model, meshes.ep), meshes, {})
-        fully_shard_model(model, mesh=meshes.dp)
-        model.materialize("cpu")
-        torch.manual_seed(0)
-        model.init_weights()
+        model = _sharded_model(family, meshes)
         init = {name: _full(p).detach().clone() for name, p in model.named_parameters()}
         model.save_hf(f"{out_path}.hf.{family}")
         result, loads = _step(model, batches, WORLD)
@@ -150,12 +156,7 @@ def _efsdp_worker(rank: int, port: int, out_path: str) -> None:
     meshes = build_expert_parallel_meshes("cpu", 4, ep=2)
     results = {}
     for family in FAMILIES:
-        model = _model(family, meta=True)
-        shard_experts(split_experts(model, meshes.ep), meshes, {})
-        fully_shard_model(model, mesh=meshes.dp)
-        model.materialize("cpu")
-        torch.manual_seed(0)
-        model.init_weights()
+        model = _sharded_model(family, meshes)
         result, _ = _step(model, _micro_batches()[rank : rank + 1], 4)
         loss_sum = result.loss_sum.clone()
         dist.all_reduce(loss_sum)
