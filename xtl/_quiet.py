@@ -6,7 +6,8 @@ Imported by ``xtl/__init__.py``, so every xtl process (the command, notebooks, b
   machine, and registers enums as pytree constants, which torch's pytree module warns about;
 - torch's DTensor notes that gathering an expert-parallel weight whole (for an export or a parity check) takes two
   all-gathers;
-- Lightning warns that a rank's list of evaluation dataloaders is empty when a run has no validation sets.
+- Lightning warns that a rank's list of evaluation dataloaders is empty when a run has no validation sets, and
+  that a resumed run's checkpoint folder is not empty.
 """
 
 from __future__ import annotations
@@ -23,8 +24,12 @@ _LOG_NOISE = (
     # gathering an expert-parallel weight whole (export, parity check): the DTensor takes two all-gathers
     ("torch.distributed.tensor._redistribute", "sequential all_gather"),
 )
-# warnings whose text starts with these
-_WARNING_NOISE = ("Total length of `list` across ranks is zero",)
+# warnings whose text matches these regular expressions (from its start)
+_WARNING_NOISE = (
+    r"Total length of `list` across ranks is zero",
+    # a resumed run's checkpoint folder is not empty by design (xtl refuses a fresh run into a used one)
+    r"Checkpoint directory .* exists and is not empty",
+)
 
 
 class _DropContaining(logging.Filter):
@@ -44,5 +49,5 @@ def silence_third_party_noise() -> None:
         logger = logging.getLogger(name)
         if not any(isinstance(f, _DropContaining) and f.text == text for f in logger.filters):
             logger.addFilter(_DropContaining(text))
-    for text in _WARNING_NOISE:
-        warnings.filterwarnings("ignore", message=f"{text}.*")
+    for pattern in _WARNING_NOISE:
+        warnings.filterwarnings("ignore", message=pattern)

@@ -14,38 +14,26 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import sys
 import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 from jsonargparse import Namespace, set_parsing_settings
-from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.cli import LightningCLI
 
+from xtl.cli_parser import XTLArgumentParser, moved_key_error, user_error_message
 from xtl.data import XTLDataModule
-from xtl.errors import UserError, debug_enabled, did_you_mean, short_message
-from xtl.strategies.checkpoint_io import raise_if_unreadable
+from xtl.errors import ConfigError, debug_enabled
+from xtl.run_layout import SaveRunConfig, refuse_stale_checkpoints, root_outputs_at
+from xtl.strategies.checkpoint_io import LIGHTNING_METADATA, raise_if_unreadable
 from xtl.train import LanguageModule
 from xtl.train.optim import OptimizerConfig
 
 LIGHTNING_SUBCOMMANDS = ("fit", "validate", "test", "predict")
 CKPT_KEYWORDS = ("last", "best", "hpc")  # --ckpt_path values Lightning resolves itself
-
-# Model arguments that were grouped into ``optimizer`` / ``schedule``: old key -> new key (under model.init_args).
-MOVED_MODEL_KEYS = {
-    "lr": "optimizer.lr",
-    "weight_decay": "optimizer.weight_decay",
-    "betas": "optimizer.betas",
-    "eps": "optimizer.eps",
-    "no_decay_norm_bias_embed": "optimizer.no_decay_norm_bias_embed",
-    "lr_schedule": "schedule.kind",
-    "warmup_steps": "schedule.warmup_steps",
-    "min_lr_ratio": "schedule.min_lr_ratio",
-    "lr_decay_steps": "schedule.decay_steps",
-}
+ARCHITECTURE_KEYS = ("model", "model_overrides")  # model.init_args keys a checkpoint always decides
 
 # An optimizer is any OptimizerConfig subclass, chosen in YAML by class_path (AdamWConfig by default).
 set_parsing_settings(subclasses_enabled=[OptimizerConfig])
@@ -66,23 +54,6 @@ for _name in ("lightning.fabric.utilities.rank_zero", "lightning.pytorch.utiliti
     logging.getLogger(_name).addFilter(_DropTips())
 
 
-class XTLArgumentParser(LightningArgumentParser):
-    """LightningCLI's parser, reporting a bad config in a few lines (no usage dump) with exit code 2."""
-
-    def error(self, message: str, ex: Exception | None = None) -> None:
-        """Print the problem and how to see the options, then exit 2 (``XTL_DEBUG=1``: the parser's own report)."""
-        if debug_enabled():
-            super().error(message, ex)
-        lines = [line.rstrip() for line in str(message).strip().splitlines() if line.strip()]
-        unknown = re.search(r"[Oo]ption '([\w.]+)'|[Kk]ey '([\w.]+)' is not expected", lines[0])
-        hint = did_you_mean(next(g for g in unknown.groups() if g), _known_keys(self)) if unknown else ""
-        print(f"xtl: error: {lines[0]}{hint}", file=sys.stderr)
-        for line in lines[1:12]:
-            print(f"  {line.strip()}", file=sys.stderr)
-        print("  (`xtl fit --help` lists the keys; `--print_config` shows the merged config)", file=sys.stderr)
-        sys.exit(2)
-
-
 class XTLCLI(LightningCLI):
     """LightningCLI with xtl's module base (``class_path`` picks the family) and data module."""
 
@@ -93,6 +64,7 @@ class XTLCLI(LightningCLI):
             parser_class=XTLArgumentParser,
             subclass_mode_model=True,
             subclass_mode_data=False,
+            save_config_callback=SaveRunConfig,
             save_config_kwargs={"overwrite": True},
             auto_configure_optimizers=False,
             args=args,
@@ -100,10 +72,16 @@ class XTLCLI(LightningCLI):
         )
 
     def before_instantiate_classes(self) -> None:
-        """Resolve the run's relative output paths against ``trainer.default_root_dir``; count steps in the bar."""
+        """Lay the run out in ``trainer.default_root_dir`` (:mod:`xtl.run_layout`), check the accelerator exists,
+        count steps in the progress bar."""
         config = self.config[self.subcommand] if self.subcommand else self.config
-        root_outputs_at(config)
+        root_outputs_at(config, self.subcommand)
+        if self.subcommand == "fit":
+            refuse_stale_checkpoints(config)
         trainer = config.trainer
+        missing = missing_accelerator(trainer.accelerator)
+        if missing:
+            raise ConfigError(missing)
         fallback = bf16_fallback(trainer.precision, trainer.accelerator)
         if fallback is not None:
             print(f"xtl: {fallback}", file=sys.stderr)
@@ -114,12 +92,25 @@ class XTLCLI(LightningCLI):
             trainer.callbacks = [*(trainer.callbacks or []), bar]
 
     def _parse_ckpt_path(self) -> None:
-        """Check a ``--ckpt_path`` file or directory before Lightning reads its hyperparameters from it."""
+        """Check a ``--ckpt_path`` file or directory, then take the model's settings from the checkpoint (as
+        Lightning does) but keep the ``--model...`` options typed on the command line: what the user types wins over
+        the checkpoint, which wins over the config files."""
         subcommand = self.config.get("subcommand")
         path = self.config[subcommand].get("ckpt_path") if subcommand else None
-        if path and path not in CKPT_KEYWORDS:
-            raise_if_unreadable(Path(path))
-        super()._parse_ckpt_path()
+        if not path or path in CKPT_KEYWORDS:
+            return
+        raise_if_unreadable(Path(path))
+        if Path(path).is_dir():  # a DCP directory: its hyperparameters are in meta.pt
+            path = str(Path(path) / LIGHTNING_METADATA)
+        hparams = torch.load(path, weights_only=True, map_location="cpu").get("hyper_parameters", {})
+        hparams.pop("_instantiator", None)
+        for key in _typed_model_keys(XTLArgumentParser.argv):
+            _drop_key(hparams, key)
+        if not hparams:
+            return
+        if "_class_path" in hparams:
+            hparams = {"class_path": hparams.pop("_class_path"), "dict_kwargs": hparams}
+        self.config = self.parser.parse_object({subcommand: {"model": hparams}}, self.config)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -150,16 +141,28 @@ def _main(argv: list[str] | None) -> int:
     if moved:
         print(f"xtl: error: {moved}", file=sys.stderr)
         return 2
+    XTLArgumentParser.argv = argv
     try:
         XTLCLI(args=argv if explicit else None)
     except Exception as exc:
-        cause = _user_error_in(exc)
-        if cause is None or debug_enabled():
+        message = user_error_message(exc)
+        if message is None or debug_enabled():
             raise
         if _rank() == 0:  # every rank of a distributed run meets the same error; one says it
-            print(f"xtl: error: {short_message(cause)}", file=sys.stderr)
+            print(f"xtl: error: {message}", file=sys.stderr)
         return 2
     return 0
+
+
+def missing_accelerator(accelerator: Any) -> str | None:
+    """Why ``trainer.accelerator`` cannot run here (a GPU recipe on a machine without one), or ``None``."""
+    name = str(accelerator or "auto")
+    if name in ("gpu", "cuda") and not torch.cuda.is_available():
+        return (
+            f"trainer.accelerator is {name} but this machine has no usable GPU (torch.cuda.is_available() is false): "
+            "run on a GPU machine, or try the recipe on CPU with --trainer.accelerator cpu and a tiny model"
+        )
+    return None
 
 
 def bf16_fallback(precision: Any, accelerator: Any) -> str | None:
@@ -185,93 +188,32 @@ def bf16_fallback(precision: Any, accelerator: Any) -> str | None:
     return f"trainer.precision {precision} is not supported natively on {where}; training in 32-true instead"
 
 
-def root_outputs_at(config: Any) -> None:
-    """Make ``trainer.default_root_dir`` the one folder a run writes to.
-
-    Relative ``save_dir`` of the loggers and relative ``dirpath`` of the callbacks (checkpoints, HF exports) are
-    taken relative to ``trainer.default_root_dir`` and made absolute, so ``--trainer.default_root_dir DIR`` moves
-    everything the run writes (logs, the saved config, checkpoints, exports, reports). Absolute paths stay.
-    """
-    trainer = config.trainer
-    root = Path(trainer.default_root_dir or ".").resolve()
-    trainer.default_root_dir = str(root)
-    loggers = trainer.logger if isinstance(trainer.logger, list) else [trainer.logger]
-    for entry, key in [(e, "save_dir") for e in loggers] + [(c, "dirpath") for c in trainer.callbacks or []]:
-        init_args = getattr(entry, "init_args", None)
-        value = getattr(init_args, key, None) if init_args is not None else None
-        if isinstance(value, str) and not Path(value).is_absolute():
-            setattr(init_args, key, str(root / value))
+def _typed_model_keys(argv: list[str]) -> list[list[str]]:
+    """The model keys set by options of the command line itself (not of its ``--config`` files), as paths under
+    ``model.init_args`` (``--model.init_args.generation.max_new_tokens 8`` -> ``["generation", "max_new_tokens"]``),
+    but for the model's architecture, which is the checkpoint's."""
+    keys = []
+    for arg in argv:
+        if arg.startswith("--model."):
+            path = arg[len("--model.") :].split("=", 1)[0].removeprefix("init_args.").split(".")
+            if path[0] not in ARCHITECTURE_KEYS:
+                keys.append(path)
+    return keys
 
 
-def moved_key_error(argv: list[str]) -> str | None:
-    """A message naming the new key when ``argv`` or a ``--config`` file uses a model key that has moved."""
-    for i, arg in enumerate(argv):
-        if arg == "--config" and i + 1 < len(argv) or arg.startswith("--config="):
-            path = Path(arg.split("=", 1)[1] if "=" in arg else argv[i + 1])
-            found = _moved_in_yaml(path)
-            if found:
-                return f"{path}: {found}"
-        elif arg.startswith("--model."):
-            key = arg[2:].split("=", 1)[0]
-            found = _moved(key.removeprefix("model.").removeprefix("init_args."), "--model.init_args.")
-            if found:
-                return found
-    return None
+def _drop_key(tree: dict, path: list[str]) -> None:
+    """Remove ``tree[path[0]][path[1]]...`` where it exists."""
+    for name in path[:-1]:
+        tree = tree.get(name) if isinstance(tree, dict) else None
+        if tree is None:
+            return
+    if isinstance(tree, dict):
+        tree.pop(path[-1], None)
 
 
 def _rank() -> int:
     """This process's global rank as its launcher set it (0 without one)."""
     return int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) or 0)
-
-
-def _user_error_in(exc: BaseException) -> UserError | None:
-    """``exc`` or the user error it was raised from (jsonargparse wraps errors of the classes it instantiates)."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        if isinstance(exc, UserError):
-            return exc
-        seen.add(id(exc))
-        exc = exc.__cause__ or exc.__context__
-    return None
-
-
-def _known_keys(parser: Any) -> list[str]:
-    """Every option key of ``parser`` and of its subcommand parsers (``trainer.max_steps``, ...)."""
-    keys = []
-    for action in parser._actions:
-        if isinstance(getattr(action, "choices", None), dict):
-            for sub in action.choices.values():
-                keys += _known_keys(sub)
-        elif action.dest:
-            keys.append(action.dest)
-    return keys
-
-
-def _moved_in_yaml(path: Path) -> str | None:
-    try:
-        config = yaml.safe_load(path.read_text()) if path.is_file() else None
-    except yaml.YAMLError:
-        return None  # the CLI's own parser reports malformed YAML
-    model = config.get("model") if isinstance(config, dict) else None
-    if not isinstance(model, dict):
-        return None
-    args, prefix = (
-        (model["init_args"], "model.init_args.") if isinstance(model.get("init_args"), dict) else (model, "model.")
-    )
-    for key in args:
-        found = _moved(key, prefix)
-        if found:
-            return found
-    return None
-
-
-def _moved(key: str, prefix: str) -> str | None:
-    if key not in MOVED_MODEL_KEYS:
-        return None
-    return (
-        f"{prefix}{key} has moved to {prefix}{MOVED_MODEL_KEYS[key]} (optimizer and learning-rate schedule settings "
-        "are grouped under optimizer: and schedule:, see docs/configs.md)"
-    )
 
 
 if __name__ == "__main__":

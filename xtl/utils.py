@@ -75,6 +75,17 @@ def resolve_pretrained(value: str, what: str) -> str:
         raise ConfigError(f"{what}: cannot fetch {path!r} from the Hugging Face hub ({err}); check the id") from None
 
 
+def apply_umask(path: Path) -> None:
+    """Give ``path`` the permissions a plain ``open``/``mkdir`` would (``0o666`` / ``0o777`` less the umask).
+
+    Temporary files and directories are created private (``0o600`` / ``0o700``); renamed into place they would
+    otherwise stay unreadable to the rest of a team sharing a run folder.
+    """
+    umask = os.umask(0)
+    os.umask(umask)
+    path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
+
+
 @contextmanager
 def atomic_directory(target: str | Path, overwrite: bool = True) -> Iterator[Path]:
     """Yield a temporary directory beside ``target`` that is renamed to ``target`` only on success.
@@ -95,6 +106,9 @@ def atomic_directory(target: str | Path, overwrite: bool = True) -> Iterator[Pat
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    apply_umask(tmp)
+    for path in tmp.rglob("*"):
+        apply_umask(path)
     if target.exists():
         trash = target.parent / f".{target.name}.old-{os.getpid()}"
         os.replace(target, trash)
@@ -112,6 +126,7 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
+        apply_umask(Path(tmp))
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

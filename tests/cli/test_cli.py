@@ -16,7 +16,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import xtl.cli
 from xtl.cli import bf16_fallback, main
-from xtl.train.generation import chat_prompt_ids, split_thinking, stop_token_ids
+from xtl.model import get_model_config_from_hf
+from xtl.train.generation import GenerationConfig, chat_prompt_ids, generate, split_thinking, stop_token_ids
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = sorted((ROOT / "configs").glob("*.yaml"))
@@ -181,9 +182,10 @@ class TestTinyRecipesRun:
         assert _run_main(["fit", *common, "--trainer.max_steps", "1"]) == 0
         ckpt = "runs/tiny_sft/checkpoints/last.ckpt"
         assert _run_main(["validate", *common, "--ckpt_path", ckpt]) == 0
-        metrics = sorted(Path("runs/tiny_sft/logs").glob("version_*/metrics.csv"))[-1]
+        (metrics,) = Path("runs/tiny_sft/validate").glob("version_*/metrics.csv")  # not among the training logs
         logged = {k for row in csv.DictReader(metrics.open()) for k, v in row.items() if v}
         assert {"val/loss", "val/perplexity", "val/token_accuracy", "eval/exact_match"} <= logged
+        assert [p.name for p in Path("runs/tiny_sft/logs").iterdir()] == ["version_0"]
 
 
 class TestPrecisionDefault:
@@ -281,6 +283,12 @@ class TestFSDPResume:
         assert logits.shape == (1, 12, 1600) and torch.isfinite(logits).all()
 
 
+def _umask() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
+
+
 def _transformers_answer(export: Path, conversation: list[dict], max_new_tokens: int) -> str:
     """transformers' greedy answer to the conversation's prompt (a trailing assistant turn dropped), as
     ``xtl predict`` renders and decodes it (stop tokens removed, thinking split off)."""
@@ -348,6 +356,7 @@ class TestTestPredictAndGenerate:
         assert [row["output"] for row in rows] == expected
         assert any(expected), "the tiny model answers something"
         assert not list(Path("runs/tiny_sft").glob(".predictions.jsonl.tmp-*")), "written through a temporary name"
+        assert Path("runs/tiny_sft/predictions.jsonl").stat().st_mode & 0o777 == 0o666 & ~_umask()
 
     def test_generate_answers_from_the_checkpoint_and_from_its_hf_export(self, tiny_run, monkeypatch, capsys):
         monkeypatch.chdir(tiny_run)
@@ -357,6 +366,29 @@ class TestTestPredictAndGenerate:
         assert main(["generate", "--model", "runs/tiny_sft/hf/final", "--template", "qwen3", *prompt]) == 0
         assert capsys.readouterr().out == from_ckpt
         assert from_ckpt.endswith("\n")
+
+    def test_transformers_generate_on_the_export_stops_where_xtl_generate_stops(self, tiny_run):
+        """The export carries the tokenizer's special ids (config.json, generation_config.json): transformers'
+        ``generate`` with no stop token given ends at the chat template's end of turn, as xtl's decoding does."""
+        export = tiny_run / "runs/tiny_sft/hf/final"
+        tokenizer = AutoTokenizer.from_pretrained(export)
+        prompt = chat_prompt_ids(tokenizer, [{"role": "user", "content": "What is 2+3?"}], "qwen3")
+        hf = AutoModelForCausalLM.from_pretrained(export, attn_implementation="eager")
+        new = hf.generate(torch.tensor([prompt]), max_new_tokens=64, do_sample=False)[0, len(prompt) :].tolist()
+        end_of_turn = tokenizer.convert_tokens_to_ids("<|im_end|>")
+        assert len(new) < 64 and new[-1] == end_of_turn, tokenizer.decode(new)
+        config = get_model_config_from_hf(export)
+        model = config.build()
+        model.from_hf(export)
+        ours = generate(model.eval(), [prompt], GenerationConfig(max_new_tokens=64).with_tokenizer(tokenizer, "qwen3"))
+        assert ours.sequences[0] == new
+
+    def test_outputs_respect_the_umask(self, tiny_run):
+        mode = 0o666 & ~_umask()
+        export = tiny_run / "runs/tiny_sft/hf/final"
+        assert export.stat().st_mode & 0o777 == 0o777 & ~_umask()
+        for path in [*export.iterdir(), tiny_run / "runs/tiny_sft/config.yaml"]:
+            assert path.stat().st_mode & 0o777 == mode, path
 
     @pytest.mark.parametrize("model", ["missing.ckpt", "runs", "runs/tiny_sft/logs"])
     def test_generate_rejects_a_bad_path_in_one_line(self, tiny_run, monkeypatch, capsys, model):

@@ -7,6 +7,8 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from lightning_utilities.core.imports import RequirementCache
 
 from xtl.cli import main
 
@@ -102,6 +104,43 @@ class TestBadConfig:
         """An MoE model under the dense module would train without router losses and bias updates."""
         code, err = _run(["fit", "--config", str(ROOT / "configs" / recipe), "--model.class_path", class_path], capsys)
         _assert_short(code, err, f"model.class_path {class_path} does not train", f"use model.class_path: {use}")
+
+    def test_a_command_line_typo_gets_a_suggestion(self, tmp_path, capsys):
+        code, err = self._fit(tmp_path, capsys, "--trainer.max_stpes=5")
+        _assert_short(code, err, "unrecognized arguments: --trainer.max_stpes=5", "did you mean '--trainer.max_steps'")
+
+    def test_a_prefix_of_a_key_is_not_taken_for_the_key(self, tmp_path, capsys):
+        code, err = self._fit(tmp_path, capsys, "--trainer.max_step=5")
+        _assert_short(code, err, "--trainer.max_step=5", "did you mean '--trainer.max_steps'")
+
+    def test_an_unknown_nested_option_is_named_with_its_key_path(self, tmp_path, capsys):
+        code, err = self._fit(tmp_path, capsys, "--model.init_args.optimizer.lrr", "1")
+        _assert_short(code, err, "'model.init_args.optimizer.lrr'", "did you mean 'lr'")
+
+    def test_a_gpu_recipe_on_a_machine_without_a_gpu(self, tmp_path, capsys, monkeypatch):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+        hf = tmp_path / "hf"
+        hf.mkdir()
+        monkeypatch.setenv("QWEN3_0_6B_PATH", str(hf))
+        monkeypatch.setenv("SFT_DATA", str(tmp_path / "sft.jsonl"))
+        config = tmp_path / "model.yaml"  # a from-scratch model: the directory holds no config
+        config.write_text("model:\n  init_args:\n    model: {model_type: qwen3, hidden_size: 32}\n")
+        code, err = _run(
+            ["fit", "--config", str(ROOT / "configs/qwen3_0.6b_sft.yaml"), "--config", str(config)], capsys
+        )
+        _assert_short(
+            code, err, "trainer.accelerator is gpu but this machine has no usable GPU", "--trainer.accelerator cpu"
+        )
+
+    def test_a_logger_whose_package_is_missing(self, tmp_path, capsys, monkeypatch):
+        """callbacks/wandb.yaml without wandb installed: which package, and how to install it."""
+        import lightning.pytorch.loggers.wandb as wandb_logger
+
+        monkeypatch.setattr(wandb_logger, "_WANDB_AVAILABLE", RequirementCache("wandb>=99"))
+        code, err = _run(
+            ["fit", "--config", str(ROOT / "configs/tiny_sft.yaml"), "--config", str(ROOT / "callbacks/wandb.yaml"),
+             "--trainer.default_root_dir", str(tmp_path)], capsys)  # fmt: skip
+        _assert_short(code, err, "a package this run needs is not installed: wandb", "pip install -e '.[wandb]'")
 
     def test_xtl_debug_shows_the_traceback(self, tmp_path, capsys, monkeypatch):
         monkeypatch.setenv("XTL_DEBUG", "1")

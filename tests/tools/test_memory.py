@@ -739,8 +739,11 @@ class TestLoRA:
         assert "give a LoRA rank" in capsys.readouterr().err
         assert memory.main([*base, "--lora-rank", "8", "--lora-targets", "wq"]) == 2
         assert "match no linear layer" in capsys.readouterr().err
-        assert memory.main(["deepseek-v3", "--nodes", "4", "--ep", "32", "--lora-rank", "8", "--qlora"]) == 0
+        assert memory.main(["deepseek-v3", "--nodes", "4", "--ep", "32", "--lora-rank", "8", "--qlora"]) == 2
+        assert "QLoRA trains on one device, not 32" in capsys.readouterr().err  # as xtl fit refuses it
+        assert memory.main(["qwen3-8b", "--seq-len", "4096", "--lora-rank", "8", "--qlora"]) == 0
         text = capsys.readouterr().out
+        assert "gpus 1," in text, "--qlora alone: one GPU"
         assert "lora: rank 8" in text and "NF4 for the adapted layers" in text
 
     def test_recipe_with_the_lora_and_qlora_fragments(self, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

@@ -14,6 +14,7 @@ from xtl.model import BaseModel
 from xtl.model.hf import DEFAULT_MAX_SHARD_SIZE, FP8_FORMATS, copy_side_files
 from xtl.model.hf.peft_adapter import merge_lora_transform, peft_module_paths, peft_target_modules, save_peft_adapter
 from xtl.module.lora import lora_layers
+from xtl.train.generation import special_token_ids
 from xtl.utils import resolve_path
 
 LORA_EXPORTS = ("merged", "adapter", "both")
@@ -24,7 +25,9 @@ class HFExport(pl.Callback):
 
     Under FSDP every rank takes part (each parameter is gathered once, one at a time) and rank 0 writes, so the
     full model never sits on every rank. The tokenizer of the datamodule is copied into each export so the
-    directory loads with ``AutoTokenizer`` and ``AutoModelForCausalLM``.
+    directory loads with ``AutoTokenizer`` and ``AutoModelForCausalLM``, and its special-token ids (the chat
+    template's end-of-turn token first among the EOS ids) go into ``config.json`` and ``generation_config.json``,
+    so transformers' ``generate`` stops where ``xtl generate`` stops.
 
     A model with LoRA adapters (:class:`~xtl.callbacks.LoRA`) is exported as ``lora`` says: ``merged`` writes the
     HF model with each adapted weight replaced by ``W + scaling * B @ A`` (fp32 math, then the export dtype);
@@ -92,7 +95,10 @@ class HFExport(pl.Callback):
         written = []
         if not adapted or self.lora in ("merged", "both"):  # the transform is None without adapters
             merge = merge_lora_transform(model)
-            model.save_hf(target, self.max_shard_size, dtype, fp8=self.fp8, tensor_transform=merge)
+            token_ids = _token_ids(trainer)
+            model.save_hf(
+                target, self.max_shard_size, dtype, fp8=self.fp8, tensor_transform=merge, token_ids=token_ids
+            )
             written.append(target)
         if adapted and self.lora in ("adapter", "both"):
             adapter_dir = target / "adapter" if self.lora == "both" else target
@@ -106,6 +112,15 @@ class HFExport(pl.Callback):
         trainer.strategy.barrier()
         self.exported.append(target)
         return target
+
+
+def _token_ids(trainer: pl.Trainer) -> dict[str, Any] | None:
+    """Special-token ids of the datamodule's tokenizer and chat template (``None`` without a datamodule)."""
+    datamodule = getattr(trainer, "datamodule", None)
+    load = getattr(datamodule, "load_tokenizer", None)
+    if load is None:
+        return None
+    return special_token_ids(load(), getattr(datamodule, "template", None))
 
 
 def _adapter_config(trainer: pl.Trainer, model: BaseModel) -> dict[str, Any]:

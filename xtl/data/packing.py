@@ -32,6 +32,7 @@ import xxhash
 
 from xtl.data.dataset import MixedDataset
 from xtl.data.item import DataError, DataFileNotFoundError
+from xtl.utils import apply_umask
 
 OverlongPolicy = Literal["truncate", "drop", "error"]
 PackingMode = Literal["hard", "best_fit", "preset"]
@@ -324,6 +325,7 @@ def save_plan(plan: PackPlan, path: str | Path, key: str) -> None:
     try:
         with os.fdopen(fd, "wb") as f:
             np.savez(f, meta=np.array(json.dumps(meta)), **{name: getattr(plan, name) for name in _PLAN_ARRAYS})
+        apply_umask(Path(tmp))
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -126,6 +126,7 @@ class BaseModel(nn.Module):
         dtype: torch.dtype | None = None,
         fp8: str | None = None,
         tensor_transform: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
+        token_ids: dict[str, Any] | None = None,
     ) -> None:
         """Write an HF model directory: shards, index, ``config.json``, generation config and tokenizer files.
 
@@ -142,9 +143,18 @@ class BaseModel(nn.Module):
                 ``_scale_inv`` scales and a ``quantization_config`` (the format of ``xtl convert to-fp8``).
             tensor_transform: Applied to each full tensor on every rank before it is written (e.g. merging LoRA
                 adapters: :func:`xtl.model.hf.peft_adapter.merge_lora_transform`).
+            token_ids: The tokenizer's special-token ids for ``config.json`` and ``generation_config.json``
+                (:func:`xtl.train.generation.special_token_ids`).
         """
         save_hf_weights(
-            self, out_dir, max_shard_size, dtype, source_dir=self._hf_path, fp8=fp8, tensor_transform=tensor_transform
+            self,
+            out_dir,
+            max_shard_size,
+            dtype,
+            source_dir=self._hf_path,
+            fp8=fp8,
+            tensor_transform=tensor_transform,
+            token_ids=token_ids,
         )
 
     def _keep_fp32_names(self) -> set[str]:

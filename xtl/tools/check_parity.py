@@ -33,6 +33,7 @@ EXAMPLES = f"""examples:
 _DTYPES = ("float32", "bfloat16")
 # The engine's modes and tolerance presets, spelled out so that --help does not import torch (a test keeps them equal).
 MODES = ("hf_impl", "fast")
+CUT_VOCAB = 4096  # vocabulary of a random model cut with --max-layers
 TOLERANCE_CHOICES = ("auto", "bitwise", "bitwise_forward", "fp32", "bf16", "fp8")
 
 
@@ -84,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     directory = Path(args.model) if (Path(args.model) / "config.json").is_file() else None
     if directory is None and not args.random:
         raise ToolInputError(f"{args.model}: not an HF model directory (no config.json); an alias needs --random")
-    config, total_layers = _xtl_config(args.model, directory, args.max_layers)
+    config, total_layers = _xtl_config(args.model, directory, args.max_layers, args.random)
     hf_config = _reference_config(directory, config)
     model = _xtl_model(config, directory, args.random, args.seed, dtype, device)
     documents = _documents(args, directory, config.vocab_size)
@@ -109,6 +110,7 @@ def run(args: argparse.Namespace) -> int:
     if config.num_hidden_layers < total_layers:
         report.notes.append(
             f"the model is cut to its first {config.num_hidden_layers} of {total_layers} decoder layers (both sides)"
+            + (f", its vocabulary to {config.vocab_size} tokens (random weights)" if args.random else "")
         )
     print(report.to_json() if args.format == "json" else report.render())
     return EXIT_OK if report.ok else EXIT_FAILED
@@ -131,9 +133,13 @@ def main(argv: list[str] | None = None) -> int:
 # ---- private ---------------------------------------------------------------------------------------------------
 
 
-def _xtl_config(name: str, directory: Path | None, max_layers: int | None) -> tuple[Any, int]:
+def _xtl_config(name: str, directory: Path | None, max_layers: int | None, random: bool = False) -> tuple[Any, int]:
     """The xtl config of the directory or alias, cut to the first ``max_layers`` decoder layers, and the
-    model's own number of decoder layers."""
+    model's own number of decoder layers.
+
+    A cut model compares the layers only (no logits, loss or gradients); with random weights its vocabulary is cut
+    too (to :data:`CUT_VOCAB` tokens), so embedding and head, the largest tensors of a big model, stay small.
+    """
     from xtl.model import get_model_config, get_model_config_from_hf
 
     try:
@@ -149,6 +155,12 @@ def _xtl_config(name: str, directory: Path | None, max_layers: int | None) -> tu
         changes: dict[str, Any] = {"num_hidden_layers": max_layers}
         if getattr(config, "layer_types", None) is not None:
             changes["layer_types"] = list(config.layer_types[:max_layers])
+        if random:
+            changes["vocab_size"] = vocab = min(config.vocab_size, CUT_VOCAB)
+            for key in ("bos_token_id", "eos_token_id", "pad_token_id"):  # ids the cut vocabulary no longer has
+                value = getattr(config, key, None)
+                if isinstance(value, int) and value >= vocab:
+                    changes[key] = None
         config = dataclasses.replace(config, **changes)
     return config, total
 

@@ -671,6 +671,11 @@ def run(args: argparse.Namespace) -> int:
     if recipe is not None and model:
         recipe.read_from["model"] = f"{model} (command line; model.init_args.model is {recipe.model!r})"
     setup = TrainSetup(**(recipe.setup if recipe is not None else {}) | _explicit_setup(args))
+    if setup.qlora and setup.gpus > 1:
+        raise ToolInputError(
+            f"--qlora: xtl's QLoRA trains on one device, not {setup.gpus}; give --gpus-per-node 1 --nodes 1 "
+            "(without --qlora, LoRA shards over several GPUs)"
+        )
     est = estimate_memory(dims, setup)
     gpu_memory, source = args.gpu_memory, "--gpu-memory"
     if gpu_memory is None and recipe is not None and recipe.gpu_memory is not None:
@@ -756,6 +761,8 @@ def _layers_kept_bytes(fields: dict, seq_len: int, options: dict) -> tuple[float
 def _explicit_setup(args: argparse.Namespace) -> dict[str, Any]:
     """The :class:`TrainSetup` fields given on the command line (they override a recipe's)."""
     given = {f.name: getattr(args, f.name) for f in fields(TrainSetup) if getattr(args, f.name, None) is not None}
+    if given.get("qlora") and "nodes" not in given and "gpus_per_node" not in given:
+        given.update(nodes=1, gpus_per_node=1)  # QLoRA is single-device: one GPU unless the layout is given
     if args.offload_every_n_layers is not None or args.offload_layers is not None:
         given.setdefault("offload", True)
         if args.offload_layers is None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import warnings
 from functools import partial
 from pathlib import Path
@@ -285,11 +286,24 @@ class LanguageModule(pl.LightningModule):
             _reopen_epoch(checkpoint)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Restore the counters stored by :meth:`on_save_checkpoint`."""
+        """Restore the counters stored by :meth:`on_save_checkpoint`; say so when a resumed fit has nothing left."""
         state = checkpoint.get("xtl", {})
         self.skipped_steps = int(state.get("skipped_steps", 0))
         self.tokens_seen = int(state.get("tokens_seen", 0))
         self._skipped_warned = self.skipped_steps
+        trainer, step = self._trainer, int(checkpoint.get("global_step", 0))
+        if (
+            trainer is not None
+            and trainer.state.fn == "fit"
+            and 0 < trainer.max_steps <= step
+            and trainer.is_global_zero
+        ):
+            print(
+                f"xtl: the checkpoint is at step {step} and trainer.max_steps is {trainer.max_steps}: nothing is left "
+                f"to train. To go on, pass a larger --trainer.max_steps (the schedule then spans the new length; "
+                f"--model.init_args.schedule.decay_steps {step} keeps the finished one at its final learning rate)",
+                file=sys.stderr,
+            )
 
     # ---- private ---------------------------------------------------------------------------------------------
 

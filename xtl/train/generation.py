@@ -203,6 +203,27 @@ def stop_token_ids(tokenizer: Any, template: str | None = None) -> tuple[int, ..
     return tuple(sorted(stop))
 
 
+def special_token_ids(tokenizer: Any, template: str | None = None) -> dict[str, int | list[int] | None]:
+    """The special-token ids an HF export carries so that transformers' ``generate`` stops where xtl stops.
+
+    ``eos_token_id`` lists the end-of-turn token of ``template`` first (the one a chat model ends its answer with),
+    then the other :func:`stop_token_ids`; ``pad_token_id`` is the tokenizer's, else that end-of-turn token;
+    ``bos_token_id`` the tokenizer's (``None`` when it has none).
+    """
+    stops = list(stop_token_ids(tokenizer, template))
+    turn_end = TEMPLATES[template].stop_token if template in TEMPLATES else None
+    first = tokenizer.get_vocab().get(turn_end) if turn_end else None
+    if first is not None and first in stops:
+        stops = [first, *(t for t in stops if t != first)]
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (stops[0] if stops else None)
+    bos = tokenizer.bos_token_id
+    return {
+        "bos_token_id": None if bos is None else int(bos),
+        "eos_token_id": stops if len(stops) != 1 else stops[0],
+        "pad_token_id": None if pad is None else int(pad),
+    }
+
+
 def split_thinking(text: str) -> tuple[str, str]:
     """``(reasoning, answer)`` of a decoded reply: the text before and after a leading ``... </think>``."""
     if THINK_END not in text:

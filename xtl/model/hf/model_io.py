@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -106,6 +106,7 @@ def save_hf_weights(
     source_dir: str | Path | None = None,
     fp8: str | None = None,
     tensor_transform: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
+    token_ids: dict[str, Any] | None = None,
 ) -> None:
     """Write an HF model directory: shards, index, ``config.json``, generation config and tokenizer files.
 
@@ -127,6 +128,10 @@ def save_hf_weights(
         tensor_transform: ``(name, full) -> full`` applied to each full (gathered) checkpoint tensor before the
             dtype cast, on every rank (it may run collectives), e.g. merging LoRA adapters
             (:func:`~xtl.model.hf.peft_adapter.merge_lora_transform`).
+        token_ids: ``bos_token_id`` / ``eos_token_id`` (an id or a list) / ``pad_token_id`` of the tokenizer the
+            model was trained with, written to ``config.json`` where the model config leaves them unset and to a
+            new ``generation_config.json`` (the source directory's one, when there is one, is copied instead), so
+            transformers' ``generate`` stops where xtl's does.
 
     Raises:
         ShardSizeError: ``max_shard_size`` cannot be read (raised on every rank, before any collective).
@@ -164,7 +169,7 @@ def save_hf_weights(
         if is_writer:
             writer.finish()
             quantization = block_fp8_config(unquantized) if fp8 is not None else None
-            _write_side_files(model, tmp, dtype, source_dir, quantization)
+            _write_side_files(model, tmp, dtype, source_dir, quantization, token_ids)
     if dist.is_initialized():
         dist.barrier()
 
@@ -187,17 +192,27 @@ def _write_side_files(
     dtype: torch.dtype | None,
     source_dir: str | Path | None,
     quantization: dict | None = None,
+    token_ids: dict[str, Any] | None = None,
 ) -> None:
     hf_config = model.config.hf_config
     if dtype is not None:
         hf_config.dtype = str(dtype).removeprefix("torch.")
     if quantization is not None:
         hf_config.quantization_config = quantization
+    text = getattr(hf_config, "text_config", None)  # a vision-language config keeps them on its text config too
+    for key, value in (token_ids or {}).items():
+        for config in (hf_config, text) if text is not None else (hf_config,):
+            if value is not None and getattr(config, key, None) is None:
+                main = value[0] if isinstance(value, list) else value
+                setattr(config, key, main)
     hf_config.save_pretrained(out_dir)
     if source_dir is not None and (Path(source_dir) / "generation_config.json").is_file():
         copy_side_files(source_dir, out_dir, ["generation_config.json"])
     else:
         generation = GenerationConfig.from_model_config(hf_config)
+        for key, value in (token_ids or {}).items():
+            if value is not None:
+                setattr(generation, key, value)
         if generation.to_diff_dict() != GenerationConfig().to_diff_dict():
             generation.save_pretrained(out_dir)
     copy_side_files(source_dir, out_dir)
