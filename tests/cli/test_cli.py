@@ -176,6 +176,28 @@ class TestTinyRecipesRun:
         rows = [row for row in csv.DictReader(metrics.open()) if row.get("train/loss")]
         assert [(row["epoch"], row["step"]) for row in rows] == [("0", "2"), ("0", "3")]
 
+    def test_a_fresh_fit_over_an_earlier_runs_checkpoints_is_refused(self, tmp_path, monkeypatch, data_cache, capsys):
+        """Otherwise it would write last-v1.ckpt and leave last.ckpt to the earlier run, for every later command."""
+        monkeypatch.chdir(tmp_path)
+        args = ["fit", *_tiny_args(ROOT / "configs/tiny_sft.yaml", data_cache), "--trainer.max_steps", "1"]
+        assert _run_main(args) == 0
+        capsys.readouterr()
+        assert _run_main(args) == 2
+        err = capsys.readouterr().err
+        assert "already holds the checkpoints of an earlier run (newest: last.ckpt)" in err
+        assert "--ckpt_path last" in err and "--trainer.default_root_dir" in err
+        assert sorted(p.name for p in Path("runs/tiny_sft/checkpoints").iterdir()) == ["last.ckpt"]
+
+    def test_resuming_a_finished_run_says_how_to_extend_it(self, tmp_path, monkeypatch, data_cache, capsys):
+        monkeypatch.chdir(tmp_path)
+        args = ["fit", *_tiny_args(ROOT / "configs/tiny_sft.yaml", data_cache), "--trainer.max_steps", "1"]
+        assert _run_main(args) == 0
+        capsys.readouterr()
+        assert _run_main(["fit", "--config", "runs/tiny_sft/config.yaml", "--ckpt_path", "last"]) == 0
+        err = capsys.readouterr().err
+        assert "the checkpoint is at step 1 and trainer.max_steps is 1: nothing is left to train" in err
+        assert "--trainer.max_steps" in err
+
     def test_validate_alone_runs_the_evaluation_callbacks(self, tmp_path, monkeypatch, data_cache):
         monkeypatch.chdir(tmp_path)
         common = _tiny_args(ROOT / "configs/tiny_sft.yaml", data_cache, "--config", str(ROOT / "callbacks/eval.yaml"))
@@ -357,6 +379,21 @@ class TestTestPredictAndGenerate:
         assert any(expected), "the tiny model answers something"
         assert not list(Path("runs/tiny_sft").glob(".predictions.jsonl.tmp-*")), "written through a temporary name"
         assert Path("runs/tiny_sft/predictions.jsonl").stat().st_mode & 0o777 == 0o666 & ~_umask()
+
+    def test_options_typed_on_the_command_line_win_over_the_checkpoints(self, tiny_run, monkeypatch, data_cache):
+        """Lightning rebuilds the module from the checkpoint's hyperparameters; a typed setting still applies."""
+        monkeypatch.chdir(tiny_run)
+        monkeypatch.setenv("XTL_HF_IMPL", "1")
+        conversation = [{"role": "user", "content": "What is 2+3?"}]
+        prompts = tiny_run / "one_prompt.jsonl"
+        prompts.write_text(json.dumps({"messages": conversation}) + "\n")
+        args = ["predict", *_tiny_args(ROOT / "configs/tiny_sft.yaml", data_cache), "--ckpt_path", self.CKPT]
+        args += ["--data.predict_source", str(prompts), "--data.predict_output", "short.jsonl"]
+        args += ["--trainer.precision", "32-true", "--model.init_args.generation.max_new_tokens", "4"]
+        assert _run_main(args) == 0
+        (row,) = [json.loads(line) for line in Path("short.jsonl").read_text().splitlines()]
+        assert row["output"] == _transformers_answer(Path("runs/tiny_sft/hf/final"), conversation, 4)
+        assert row["output"] != _transformers_answer(Path("runs/tiny_sft/hf/final"), conversation, 32)
 
     def test_generate_answers_from_the_checkpoint_and_from_its_hf_export(self, tiny_run, monkeypatch, capsys):
         monkeypatch.chdir(tiny_run)

@@ -124,12 +124,15 @@ class TestCheckParity:
         }
 
     def test_random_alias_and_max_layers(self, capsys):
-        code, out, _ = _run(
+        code, out, err = _run(
             ["qwen3-0.6b", "--random", "--max-layers", "1", "--max-tokens", "12", "--no-grads"], capsys
         )
         assert code == 0, out
         assert "1/1 layers" in out and "\nlayer 0" in out and "\nlayer 1" not in out
         assert "the model is cut to its first 1 of 28 decoder layers" in out
+        # random weights: the vocabulary is cut too, so a large model's embedding and head do not fill the RAM
+        assert "its vocabulary to 4096 tokens (random weights)" in out
+        assert "[transformers]" not in out + err, "no special-token id is left beyond the cut vocabulary"
 
     def test_documents_of_a_text_file(self, hf_dir, tmp_path, capsys):
         path = hf_dir("llama_text")
