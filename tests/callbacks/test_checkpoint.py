@@ -27,7 +27,12 @@ class TestLastIsTheNewestState:
         assert torch.load(checkpoints / "last.ckpt", weights_only=False)["global_step"] == 3
 
     @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
-    def test_every_recipe_checkpoints_with_it(self, recipe):
+    def test_every_recipe_checkpoints_with_it_and_logs_to_csv(self, recipe):
         callbacks = yaml.safe_load(recipe.read_text())["trainer"].get("callbacks", [])
         paths = [c["class_path"] for c in callbacks if c["class_path"].endswith(("ModelCheckpoint", "Checkpoint"))]
         assert paths == ["xtl.callbacks.TrainingCheckpoint"]
+        loggers = yaml.safe_load(recipe.read_text())["trainer"]["logger"]
+        assert {
+            "class_path": "lightning.pytorch.loggers.CSVLogger",
+            "init_args": {"save_dir": ".", "name": "logs"},
+        } in loggers
