@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import TQDMProgressBar
+from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm
 
 from xtl.train.step import is_logged_step
 
@@ -25,14 +27,23 @@ class StepProgressBar(TQDMProgressBar):
     def __init__(self, refresh_rate: int = 1) -> None:
         super().__init__(refresh_rate=refresh_rate)
 
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """One bar for the whole run, from the (resumed) step to ``max_steps``."""
-        super().on_train_start(trainer, pl_module)
-        bar = self.train_progress_bar
-        bar.set_description("train")
-        bar.total = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
-        bar.initial = bar.n = trainer.global_step
-        bar.unit = "step"
+    def init_train_tqdm(self) -> Tqdm:
+        """One bar for the whole run, from the (resumed) step to ``max_steps``, drawn first as ``train``."""
+        trainer = self.trainer
+        total = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
+        return Tqdm(
+            desc="train",
+            total=total,
+            initial=trainer.global_step,
+            unit="step",
+            position=2 * self.process_position,
+            disable=self.is_disabled,
+            leave=True,
+            dynamic_ncols=True,
+            file=sys.stdout,
+            smoothing=0,
+            bar_format=self.BAR_FORMAT,
+        )
 
     def on_train_epoch_start(self, trainer: pl.Trainer, *_: Any) -> None:
         """Keep the run's bar (no per-epoch reset)."""
@@ -43,11 +54,17 @@ class StepProgressBar(TQDMProgressBar):
         Reading a metric waits for the device, so on the other steps only the step count moves.
         """
         bar = self.train_progress_bar
-        if bar is not None and trainer.global_step % self.refresh_rate == 0:
+        if bar is None or bar.disable:
+            return
+        last = bar.total is not None and trainer.global_step >= bar.total
+        if trainer.global_step % self.refresh_rate == 0 or last:
             bar.n = trainer.global_step
             if is_logged_step(trainer):
                 bar.set_postfix(self.get_metrics(trainer, pl_module), refresh=False)
-            bar.refresh()
+            if last:  # drawn once, ending its line before Lightning says why the fit stopped
+                bar.close()
+            else:
+                bar.refresh()
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Keep the bar open across epochs."""

@@ -234,14 +234,19 @@ def _build_into(
     lengths: list[np.ndarray] = []
     row_ids: list[np.ndarray] = []
     bar = tqdm(total=num_rows, desc=f"tokenizing {source.path.name}", unit="rows", disable=not progress)
-    with (tmp / "input_ids.bin").open("wb") as f_ids, (tmp / "loss_mask.bin").open("wb") as f_mask:
-        for (start, stop), (ids, mask, lens, rows) in zip(tasks, _run_tasks(tasks, source, fn, num_proc)):
-            f_ids.write(ids.tobytes())
-            f_mask.write(mask.tobytes())
-            lengths.append(lens)
-            row_ids.append(rows)
-            bar.update(stop - start)
-    bar.close()
+    try:
+        with (tmp / "input_ids.bin").open("wb") as f_ids, (tmp / "loss_mask.bin").open("wb") as f_mask:
+            for (start, stop), (ids, mask, lens, rows) in zip(tasks, _run_tasks(tasks, source, fn, num_proc)):
+                f_ids.write(ids.tobytes())
+                f_mask.write(mask.tobytes())
+                lengths.append(lens)
+                row_ids.append(rows)
+                bar.update(stop - start)
+    except BaseException:
+        bar.leave = False  # the error is the message: the half bar is cleared, and not drawn again at exit
+        raise
+    finally:
+        bar.close()
     all_lengths = np.concatenate(lengths) if lengths else np.zeros(0, dtype=np.int64)
     offsets = np.zeros(len(all_lengths) + 1, dtype=np.int64)
     np.cumsum(all_lengths, out=offsets[1:])
