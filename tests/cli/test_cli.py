@@ -198,12 +198,15 @@ class TestTinyRecipesRun:
         assert "the checkpoint is at step 1 and trainer.max_steps is 1: nothing is left to train" in err
         assert "--trainer.max_steps" in err
 
-    def test_validate_alone_runs_the_evaluation_callbacks(self, tmp_path, monkeypatch, data_cache):
+    def test_validate_alone_runs_the_evaluation_callbacks(self, tmp_path, monkeypatch, data_cache, capsys):
         monkeypatch.chdir(tmp_path)
         common = _tiny_args(ROOT / "configs/tiny_sft.yaml", data_cache, "--config", str(ROOT / "callbacks/eval.yaml"))
         assert _run_main(["fit", *common, "--trainer.max_steps", "1"]) == 0
         ckpt = "runs/tiny_sft/checkpoints/last.ckpt"
+        capsys.readouterr()
         assert _run_main(["validate", *common, "--ckpt_path", ckpt]) == 0
+        table = capsys.readouterr().out
+        assert "val/loss" in table and "eval/exact_match" in table, "the printed results show every metric"
         (metrics,) = Path("runs/tiny_sft/validate").glob("version_*/metrics.csv")  # not among the training logs
         logged = {k for row in csv.DictReader(metrics.open()) for k, v in row.items() if v}
         assert {"val/loss", "val/perplexity", "val/token_accuracy", "eval/exact_match"} <= logged

@@ -73,14 +73,17 @@ class GenerationEval(pl.Callback):
 
     def evaluate(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> float:
         """Score the eval set now; returns the share of correct answers."""
-        tokenizer = trainer.datamodule.load_tokenizer()
-        config = GenerationConfig(max_new_tokens=self.max_new_tokens).with_tokenizer(tokenizer)
+        datamodule = trainer.datamodule
+        tokenizer = datamodule.load_tokenizer()
+        template = getattr(datamodule, "template", None)
+        kwargs = getattr(datamodule, "template_kwargs", None)
+        config = GenerationConfig(max_new_tokens=self.max_new_tokens).with_tokenizer(tokenizer, template)
         stop = set(config.stop_token_ids)
         samples = self._samples()
         correct = 0
         for start in range(0, len(samples), self.batch_size):
             chunk = samples[start : start + self.batch_size]
-            prompts = [chat_prompt_ids(tokenizer, messages) for messages, _ in chunk]
+            prompts = [chat_prompt_ids(tokenizer, messages, template, kwargs) for messages, _ in chunk]
             outputs = generate(pl_module.model, prompts, config).sequences
             for (_, answer), out in zip(chunk, outputs):
                 text = tokenizer.decode([t for t in out if t not in stop], skip_special_tokens=False)
@@ -89,11 +92,15 @@ class GenerationEval(pl.Callback):
         return correct / max(1, len(samples))
 
     def _evaluate_and_log(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Score and log ``eval/<name>`` through the module, so that a validation run shows it in its results table
+        as well as in the loggers (every rank scored the same prompts: no reduction)."""
         with torch.no_grad():
             score = self.evaluate(trainer, pl_module)
         self.history.append((trainer.global_step, score))
-        for logger in trainer.loggers:
-            logger.log_metrics({f"eval/{self.name}": score}, step=trainer.global_step)
+        in_validation = trainer.validating or trainer.sanity_checking or trainer.state.stage == "validate"
+        pl_module.log(
+            f"eval/{self.name}", float(score), on_step=not in_validation, on_epoch=in_validation, batch_size=1
+        )
 
     def _samples(self) -> list[tuple[list[dict], str]]:
         path = Path(resolve_path(self.path))
