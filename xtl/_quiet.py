@@ -6,8 +6,10 @@ Imported by ``xtl/__init__.py``, so every xtl process (the command, notebooks, b
   machine, and registers enums as pytree constants, which torch's pytree module warns about;
 - torch's DTensor notes that gathering an expert-parallel weight whole (for an export or a parity check) takes two
   all-gathers;
-- Lightning warns that a rank's list of evaluation dataloaders is empty when a run has no validation sets, and
-  that a resumed run's checkpoint folder is not empty.
+- Lightning warns that a rank's list of evaluation dataloaders is empty when a run has no validation sets, that a
+  resumed run's checkpoint folder is not empty, that manual optimization checkpoints after the step (xtl's
+  design), about torch deprecations inside itself, and advertises its cloud logger;
+- transformers warns about its own deprecations inside peft.
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ from xtl.errors import debug_enabled
 # (logger name, text of its records that are dropped)
 _LOG_NOISE = (
     ("torchao", "Failed to load"),
+    # Lightning's advertisement for its cloud logger
+    ("lightning.fabric.utilities.rank_zero", "💡 Tip"),
+    ("lightning.pytorch.utilities.rank_zero", "💡 Tip"),
     ("torch.utils._pytree", "register_constant"),
     # gathering an expert-parallel weight whole (export, parity check): the DTensor takes two all-gathers
     ("torch.distributed.tensor._redistribute", "sequential all_gather"),
@@ -27,6 +32,12 @@ _LOG_NOISE = (
 # warnings whose text matches these regular expressions (from its start)
 _WARNING_NOISE = (
     r"Total length of `list` across ranks is zero",
+    # xtl checkpoints the state after each optimizer step on purpose (one training_step is one optimizer step, and
+    # resuming from it is exact): Lightning's advice to save the state before the step does not apply
+    r"Using ModelCheckpoint with manual optimization",
+    # torch's pytree deprecations inside Lightning and transformers' inside peft
+    r".*LeafSpec",
+    r".*is_gradient_checkpointing. is deprecated",
     # a resumed run's checkpoint folder is not empty by design (xtl refuses a fresh run into a used one)
     r"Checkpoint directory .* exists and is not empty",
 )

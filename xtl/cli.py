@@ -12,10 +12,8 @@ Examples::
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -37,21 +35,6 @@ ARCHITECTURE_KEYS = ("model", "model_overrides")  # model.init_args keys a check
 
 # An optimizer is any OptimizerConfig subclass, chosen in YAML by class_path (AdamWConfig by default).
 set_parsing_settings(subclasses_enabled=[OptimizerConfig])
-
-# xtl checkpoints the state after each optimizer step on purpose (one training_step is one optimizer step, and
-# resuming from it is exact); Lightning's advice to save pre-optimization state does not apply.
-warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization")
-# Third-party notices a user cannot act on: torch's pytree deprecation inside Lightning, Lightning's LitLogger ad.
-warnings.filterwarnings("ignore", message=".*LeafSpec.*")
-
-
-class _DropTips(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith("💡 Tip")
-
-
-for _name in ("lightning.fabric.utilities.rank_zero", "lightning.pytorch.utilities.rank_zero"):
-    logging.getLogger(_name).addFilter(_DropTips())
 
 
 class XTLCLI(LightningCLI):

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import xxhash
 from filelock import FileLock
-from tqdm.auto import tqdm
+from tqdm import tqdm
 
 from xtl.data.item import IGNORE_INDEX, DataError, DataItem
 from xtl.data.sources import Source
