@@ -4,7 +4,7 @@ Examples::
 
     xtl fit --config configs/tiny_sft.yaml
     xtl fit --config configs/tiny_sft.yaml --config callbacks/eval.yaml --config callbacks/hf_export.yaml
-    xtl fit --config runs/tiny_sft/logs/version_0/config.yaml --ckpt_path last      # resume exactly
+    xtl fit --config runs/tiny_sft/config.yaml --ckpt_path last      # resume exactly
     xtl validate --config configs/tiny_sft.yaml --ckpt_path runs/tiny_sft/checkpoints/last.ckpt
     xtl memory qwen3-8b --gpus-per-node 8 --seq-len 32768
     xtl convert to-fp8 --help
