@@ -60,14 +60,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 from xtl.model import SequenceContext
 from xtl.module.experts import GroupedExperts
 from xtl.ops import shift_labels
-from xtl.strategies.expert_parallel import build_expert_parallel_meshes, shard_experts, split_experts
+from xtl.strategies.expert_parallel import shard_experts, split_experts
+from xtl.strategies.layout import ParallelLayout
 from xtl.strategies.parallelize import fully_shard_model
 from xtl.train import resolve_model_config
 from xtl.train.optim import AdamWConfig
@@ -225,14 +225,10 @@ def build_model(args: argparse.Namespace, ep: int) -> nn.Module:
         ),
         "reshard_after_forward": True,
     }
-    world = dist.get_world_size()
-    if ep == 1:
-        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
-    else:
-        meshes = build_expert_parallel_meshes("cpu", world, ep)
+    meshes = ParallelLayout(dp_shard=dist.get_world_size(), ep=ep).build("cpu")
+    if ep > 1:
         shard_experts(split_experts(model, meshes.ep), meshes, fsdp_kwargs)
-        mesh = meshes.dp
-    fully_shard_model(model, mesh=mesh, **fsdp_kwargs)
+    fully_shard_model(model, mesh=meshes.fsdp, **fsdp_kwargs)
     model.materialize("cpu")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(args.seed)

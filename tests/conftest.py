@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -121,3 +122,20 @@ def hf_impl(monkeypatch: pytest.MonkeyPatch) -> None:
 def data_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One tokenization cache shared by the training and CLI tests."""
     return tmp_path_factory.mktemp("xtl_cache")
+
+
+# what a launcher (or Lightning inside an in-process run) leaves in os.environ for the processes it starts
+LAUNCH_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_launch_environment() -> Iterator[None]:
+    """Restore the launch variables after each test: an in-process run leaves ``MASTER_PORT`` set, and a later
+    subprocess run would inherit a port that may still be taken."""
+    saved = {name: os.environ.get(name) for name in LAUNCH_ENV}
+    yield
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value

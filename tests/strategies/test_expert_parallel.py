@@ -13,9 +13,11 @@ import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
 
 from tests.train.test_step import _free_port, _micro_batches
+from xtl.errors import ConfigError
 from xtl.module.dispatcher import AllToAllDispatcher, LocalDispatcher
 from xtl.module.experts import GroupedExperts
-from xtl.strategies.expert_parallel import build_expert_parallel_meshes, shard_experts, split_experts
+from xtl.strategies.expert_parallel import shard_experts, split_experts
+from xtl.strategies.layout import ParallelLayout
 from xtl.strategies.parallelize import fully_shard_model
 from xtl.train import resolve_model_config
 from xtl.train.step import forward_backward, grad_norm_and_clip
@@ -113,7 +115,7 @@ def _sharded_model(family: str, meshes) -> torch.nn.Module:
     """The family's model with experts split over ``ep`` and FSDP2 over the meshes, initialized from seed 0."""
     model = _model(family, meta=True)
     shard_experts(split_experts(model, meshes.ep), meshes, {})
-    fully_shard_model(model, mesh=meshes.dp)
+    fully_shard_model(model, mesh=meshes.fsdp)
     model.materialize("cpu")
     torch.manual_seed(0)
     model.init_weights()
@@ -123,7 +125,7 @@ def _sharded_model(family: str, meshes) -> torch.nn.Module:
 def _worker(rank: int, port: int, out_path: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    meshes = build_expert_parallel_meshes("cpu", WORLD, ep=WORLD)
+    meshes = ParallelLayout(dp_shard=WORLD, ep=WORLD).build("cpu")
     results: dict = {"dispatcher": _dispatcher_case(rank, meshes.ep.get_group()), "out_path": out_path}
     batches = _micro_batches()[2 * rank : 2 * rank + 2]  # the four of tests.train.test_step: rank r takes 2r, 2r+1
     for family in FAMILIES:
@@ -153,7 +155,7 @@ def _efsdp_worker(rank: int, port: int, out_path: str) -> None:
     """4 ranks, EP=2 x efsdp=2: each rank steps on one of the four micro-batches."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=4)
-    meshes = build_expert_parallel_meshes("cpu", 4, ep=2)
+    meshes = ParallelLayout(dp_shard=4, ep=2).build("cpu")
     results = {}
     for family in FAMILIES:
         model = _sharded_model(family, meshes)
@@ -241,10 +243,8 @@ class TestExpertDataParallel:
 
 class TestLayoutErrors:
     def test_ep_must_divide_the_world_size(self):
-        with pytest.raises(
-            ValueError, match=r"expert_parallel_size \(3\) must divide the number of data-parallel ranks"
-        ):
-            build_expert_parallel_meshes("cpu", 4, ep=3)
+        with pytest.raises(ConfigError, match=r"expert_parallel_size \(3\) must divide the ranks a parameter is"):
+            ParallelLayout(dp_shard=4, ep=3)
 
     def test_ep_must_divide_the_expert_count(self):
         class ThreeRanks:

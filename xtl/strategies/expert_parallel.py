@@ -1,58 +1,28 @@
-"""Expert parallelism: a ``(efsdp, ep)`` device mesh inside the data-parallel ranks, experts split over ``ep``.
+"""Expert parallelism: the shard group split into ``(edp, ep)`` (:mod:`xtl.strategies.layout`), experts over ``ep``.
 
-The data-parallel ranks ``dp_shard = efsdp x ep`` all see different data. Dense parameters are FSDP-sharded over
+The data-parallel ranks ``dp_shard = edp x ep`` all see different data. Dense parameters are FSDP-sharded over
 all of them; each MoE layer's routed experts are split on their expert dimension over ``ep`` (a ``DTensor``
 ``Shard(0)``; rank ``r`` of an ``ep`` group holds experts ``r*E/ep .. (r+1)*E/ep-1``) and FSDP-sharded over
-``efsdp``. Tokens reach their experts and come back through :class:`~xtl.module.dispatcher.AllToAllDispatcher`.
+``edp``. Tokens reach their experts and come back through :class:`~xtl.module.dispatcher.AllToAllDispatcher`.
 
 Expert gradients: a rank's expert gradient sums the contributions of every token routed to it from its ``ep``
-group, and FSDP then reduces over ``efsdp``; the divide factor is set to the data-parallel size so the result is
+group, and FSDP then reduces over ``edp``; the divide factor is set to the data-parallel size so the result is
 the data-parallel mean, as for dense parameters.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from xtl.model import BaseModel
 from xtl.module.dispatcher import AllToAllDispatcher
 from xtl.module.moe_block import MoEBlock
-
-
-@dataclass
-class ExpertParallelMeshes:
-    """The meshes of an expert-parallel layout.
-
-    Attributes:
-        dp: All data-parallel ranks (``efsdp x ep`` flattened): dense parameters are sharded over it.
-        ep: The expert-parallel group of this rank: experts are split over it.
-        efsdp: The expert-data-parallel group of this rank: each expert shard is FSDP-sharded over it.
-    """
-
-    dp: DeviceMesh
-    ep: DeviceMesh
-    efsdp: DeviceMesh
-
-
-def build_expert_parallel_meshes(device_type: str, world_size: int, ep: int) -> ExpertParallelMeshes:
-    """The ``(efsdp, ep)`` mesh of ``world_size`` ranks and its flattened data-parallel mesh.
-
-    Raises:
-        ValueError: ``ep`` does not divide the world size.
-    """
-    if ep < 1 or world_size % ep:
-        raise ValueError(
-            f"expert_parallel_size ({ep}) must divide the number of data-parallel ranks ({world_size}); "
-            f"choose a divisor of {world_size}"
-        )
-    world = init_device_mesh(device_type, (world_size // ep, ep), mesh_dim_names=("efsdp", "ep"))
-    return ExpertParallelMeshes(dp=world["efsdp", "ep"]._flatten("dp_shard"), ep=world["ep"], efsdp=world["efsdp"])
+from xtl.strategies.layout import ParallelMeshes
 
 
 def split_experts(model: BaseModel, ep_mesh: DeviceMesh) -> list[nn.Module]:
@@ -82,17 +52,17 @@ def split_experts(model: BaseModel, ep_mesh: DeviceMesh) -> list[nn.Module]:
     return experts_modules
 
 
-def shard_experts(experts_modules: list[nn.Module], meshes: ExpertParallelMeshes, fsdp_kwargs: dict[str, Any]) -> None:
-    """FSDP2 on each expert module over ``efsdp``, averaging gradients over the whole data-parallel size.
+def shard_experts(experts_modules: list[nn.Module], meshes: ParallelMeshes, fsdp_kwargs: dict[str, Any]) -> None:
+    """FSDP2 on each expert module over ``edp``, averaging gradients over the whole data-parallel size.
 
-    On gloo (no ``PREMUL_SUM``) the reduction is forced to a sum followed by the division, but only when ``efsdp``
+    On gloo (no ``PREMUL_SUM``) the reduction is forced to a sum followed by the division, but only when ``edp``
     has more than one rank: torch 2.13 divides twice when a size-1 mesh forces the sum.
     """
     from torch.distributed.fsdp import fully_shard
 
-    gloo = dist.get_backend(meshes.efsdp.get_group()) == "gloo"
+    gloo = dist.get_backend(meshes.edp.get_group()) == "gloo"
     for experts in experts_modules:
-        fully_shard(experts, **{**fsdp_kwargs, "mesh": meshes.efsdp})
-        experts.set_gradient_divide_factor(float(meshes.dp.size()))
-        if gloo and meshes.efsdp.size() > 1:
+        fully_shard(experts, **{**fsdp_kwargs, "mesh": meshes.edp})
+        experts.set_gradient_divide_factor(float(meshes.layout.dp_size))
+        if gloo and meshes.edp.size() > 1:
             experts.set_force_sum_reduction_for_comms(True)

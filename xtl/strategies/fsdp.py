@@ -13,12 +13,8 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from xtl.errors import ConfigError
 from xtl.model import BaseModel
 from xtl.strategies.checkpoint_io import raise_if_unreadable
-from xtl.strategies.expert_parallel import (
-    ExpertParallelMeshes,
-    build_expert_parallel_meshes,
-    shard_experts,
-    split_experts,
-)
+from xtl.strategies.expert_parallel import shard_experts, split_experts
+from xtl.strategies.layout import ParallelLayout
 from xtl.strategies.parallelize import ShardedStrategyMixin
 
 DtypeName = Literal["float32", "bfloat16", "float16"]
@@ -27,12 +23,12 @@ DtypeName = Literal["float32", "bfloat16", "float16"]
 class FSDPStrategy(ShardedStrategyMixin, ModelParallelStrategy):
     """Fully sharded data parallelism (FSDP2 ``fully_shard``) with explicit sizes and mixed precision.
 
-    The data-parallel mesh is ``data_parallel_replicate_size x data_parallel_shard_size`` (HSDP when the
-    replicate size is > 1); their product must equal the world size. It owns the ``parallelize`` sequence
-    (:class:`~xtl.strategies.parallelize.ParallelizingStrategy`): the model's shard units (decoder layers) are
-    sharded, then the root.
+    The ranks are laid out by a :class:`~xtl.strategies.layout.ParallelLayout`: ``data_parallel_replicate_size x
+    data_parallel_shard_size`` (HSDP when the replicate size is > 1, e.g. replicated across nodes and sharded within
+    one); their product must equal the number of processes. It owns the ``parallelize`` sequence
+    (:class:`~xtl.strategies.parallelize.ParallelizingStrategy`): the model's shard units are sharded, then the root.
 
-    With ``expert_parallel_size`` > 1 the data-parallel ranks form an ``(efsdp, ep)`` mesh
+    With ``expert_parallel_size`` > 1 the shard group is split into ``(edp, ep)``
     (:mod:`xtl.strategies.expert_parallel`): MoE experts are split over ``ep`` and exchange tokens by all-to-all,
     and every rank still sees different data.
 
@@ -80,12 +76,10 @@ class FSDPStrategy(ShardedStrategyMixin, ModelParallelStrategy):
         self.reshard_after_forward = reshard_after_forward
         self.cpu_offload = cpu_offload
         self.expert_parallel_size = expert_parallel_size
-        self.dp_mesh: Any = None
-        self.ep_meshes: ExpertParallelMeshes | None = None
         self._expert_modules: list = []
 
     def setup_environment(self) -> None:
-        """Set explicit sizes (Lightning's defaults are per node), then build the meshes."""
+        """Set explicit sizes (Lightning's defaults are per node), then lay the ranks out and build the meshes."""
         self._data_parallel_size = self.num_nodes * self.num_processes
         self._tensor_parallel_size = 1
         super().setup_environment()
@@ -94,38 +88,30 @@ class FSDPStrategy(ShardedStrategyMixin, ModelParallelStrategy):
                 "trainer.strategy.init_args.cpu_offload moves GPU parameters, gradients and optimizer states to the "
                 "CPU; with accelerator cpu they are on the CPU already: remove cpu_offload (or train on GPUs)"
             )
-        world = self.world_size
-        replicate = self.data_parallel_replicate_size
-        shard = world // replicate if self.data_parallel_shard_size == "auto" else int(self.data_parallel_shard_size)
-        if replicate * shard != world:
-            raise ValueError(
-                f"data_parallel_replicate_size ({replicate}) x data_parallel_shard_size ({shard}) must equal the "
-                f"world size ({world})"
-            )
-        if self.expert_parallel_size > 1:
-            if replicate != 1:
-                raise ValueError("expert_parallel_size > 1 needs data_parallel_replicate_size: 1 (no HSDP with EP)")
-            self.ep_meshes = build_expert_parallel_meshes(self.root_device.type, world, self.expert_parallel_size)
-            self.dp_mesh = self.ep_meshes.dp
-        elif replicate == 1:
-            self.dp_mesh = self.device_mesh["data_parallel"]
-        else:
-            from torch.distributed.device_mesh import init_device_mesh
+        replicate, shard = self.data_parallel_replicate_size, self.data_parallel_shard_size
+        self.layout = ParallelLayout.for_world(self.world_size, replicate, shard, self.expert_parallel_size)
+        self.meshes = self.layout.build(self.root_device.type)
 
-            self.dp_mesh = init_device_mesh(
-                self.root_device.type, (replicate, shard), mesh_dim_names=("dp_replicate", "dp_shard")
-            )
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, int]:
+        """The sampler's rank and number of replicas: the data-parallel ones of the layout."""
+        return {"num_replicas": self.layout.dp_size, "rank": self.layout.data_rank(self.global_rank)}
+
+    @property
+    def gathered_dtype(self) -> torch.dtype | None:
+        """``param_dtype``: what FSDP2 gathers the parameters in for compute."""
+        return getattr(torch, self.param_dtype) if self.param_dtype else None
 
     def apply_expert_parallel(self, model: BaseModel) -> BaseModel:
         """Split the routed experts over ``ep`` and install the all-to-all dispatcher (no-op without EP)."""
-        if self.ep_meshes is not None:
-            self._expert_modules = split_experts(model, self.ep_meshes.ep)
+        if self.meshes.ep is not None:
+            self._expert_modules = split_experts(model, self.meshes.ep)
         return model
 
     def apply_data_parallel(self, model: BaseModel) -> BaseModel:
-        """FSDP2: expert modules over ``efsdp`` (with EP), then the shard units and the root over ``dp``."""
-        if self.ep_meshes is not None:
-            shard_experts(self._expert_modules, self.ep_meshes, self.fsdp_kwargs())
+        """FSDP2: expert modules over ``edp`` (with EP), then the shard units and the root over the FSDP mesh."""
+        if self.meshes.ep is not None:
+            shard_experts(self._expert_modules, self.meshes, self.fsdp_kwargs())
         return super().apply_data_parallel(model)
 
     def fsdp_kwargs(self) -> dict:
@@ -133,7 +119,7 @@ class FSDPStrategy(ShardedStrategyMixin, ModelParallelStrategy):
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
         return {
-            "mesh": self.dp_mesh,
+            "mesh": self.meshes.fsdp,
             # the model casts its own inputs where it must (as it does unsharded in the same dtype), so FSDP leaves
             # them alone: a layer sees exactly what it sees on one device, and parity with transformers holds
             "mp_policy": MixedPrecisionPolicy(

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from xtl.model import BaseModel
+from xtl.strategies.layout import ParallelLayout, ParallelMeshes
 
 
 class TransformStage(IntEnum):
@@ -87,9 +88,26 @@ class ParallelizingStrategy(ABC):
 
     :meth:`parallelize` is the fixed sequence of the module docstring; subclasses override the hooks only.
     ``root_device`` (the device this process computes on) comes from the Lightning strategy it is mixed into.
+
+    Attributes:
+        shards_parameters: Parameters become FSDP2 ``DTensor`` shards (whatever the number of ranks).
+        layout: The sizes of the parallel dimensions (:class:`~xtl.strategies.layout.ParallelLayout`).
+        meshes: Its meshes and process groups, once built.
     """
 
     root_device: torch.device
+    shards_parameters: ClassVar[bool] = False
+    layout: ParallelLayout = ParallelLayout()
+    meshes: ParallelMeshes = ParallelMeshes(ParallelLayout(), None, None, None, None)
+
+    @property
+    def gathered_dtype(self) -> torch.dtype | None:
+        """The dtype parameters are gathered and computed in (``None``: their own)."""
+        return None
+
+    def data_group(self) -> Any:
+        """The process group the token count and router statistics sum over (``None``: one rank)."""
+        return self.meshes.data_group()
 
     def parallelize(self, model: BaseModel, transforms: Sequence[ModelTransform], weights: WeightSource) -> BaseModel:
         """Run the ordered sequence on ``model`` (built on ``meta``) and return the trainable model."""
@@ -156,6 +174,8 @@ class SingleDevice(ParallelizingStrategy):
 
 class ShardedStrategyMixin(ParallelizingStrategy):
     """Hooks shared by FSDP2 strategies: shard the model's shard units, then the root; mixed precision."""
+
+    shards_parameters = True
 
     @abstractmethod
     def fsdp_kwargs(self) -> dict:

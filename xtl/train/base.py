@@ -12,6 +12,7 @@ from typing import Any, ClassVar, Literal
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 import torchmetrics
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
@@ -183,6 +184,7 @@ class LanguageModule(pl.LightningModule):
             dp_world_size=self._dp_world_size(),
             backward=self.manual_backward,
             device=self.device,
+            group=self.parallelizer.data_group(),
             extra_loss=self.extra_loss,
             gradient_sync=self._gradient_sync,
         )
@@ -318,9 +320,15 @@ class LanguageModule(pl.LightningModule):
         return list(self._trainer.callbacks) if self._trainer is not None else []
 
     def _dp_world_size(self) -> int:
-        strategy = self.trainer.strategy
-        kwargs = getattr(strategy, "distributed_sampler_kwargs", None) or {}
-        return int(kwargs.get("num_replicas", self.trainer.world_size))
+        """Ranks reading different data: the gradient reduction averages over them."""
+        return self.parallelizer.layout.dp_size
+
+    def _sum_over_data_ranks(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` summed in place over the ranks of the data group (unchanged on one rank)."""
+        group = self.parallelizer.data_group()
+        if group is not None:
+            dist.all_reduce(tensor, group=group)
+        return tensor
 
     def _gradient_sync(self, enabled: bool) -> None:
         self.parallelizer.set_gradient_sync(self.model, enabled)
@@ -347,7 +355,7 @@ class LanguageModule(pl.LightningModule):
         real = sum(mb.num_real_tokens for mb in batch)
         host = torch.tensor([real, sum(mb.seq_ctx.seq_len for mb in batch)], dtype=torch.float64)
         stats = torch.cat([result.loss_sum.detach().double().reshape(1), host.to(self.device, non_blocking=True)])
-        stats = self.trainer.strategy.reduce(stats, reduce_op="sum")
+        stats = self._sum_over_data_ranks(stats)
         loss = stats[0] / result.global_tokens.double().clamp(min=1)
         self._tokens_seen = self._tokens_seen.to(stats.device) + stats[1]
         self._window.add(stats[1])

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from xtl.model import ModelOutput
 from xtl.ops.moe_loss import balance_loss, z_loss
@@ -63,8 +62,7 @@ class MoECausalLM(LanguageModule):
         if "router_prob_sum" not in extras:
             return None
         counts = torch.cat([extras["tokens_per_expert"].float().flatten(), extras["router_num_tokens"].float()[None]])
-        if dist.is_initialized():
-            dist.all_reduce(counts)
+        counts = self._sum_over_data_ranks(counts)
         tokens_per_expert = counts[:-1].view_as(extras["tokens_per_expert"])
         num_tokens = counts[-1]
         scale = self._dp_world_size() / self._num_micro_batches
@@ -79,9 +77,7 @@ class MoECausalLM(LanguageModule):
         loads = [out["tokens_per_expert"] for out in result.outputs if "tokens_per_expert" in out]
         if not loads:
             return
-        total = torch.stack(loads).sum(0).float()
-        if dist.is_initialized():
-            dist.all_reduce(total)
+        total = self._sum_over_data_ranks(torch.stack(loads).sum(0).float())
         mean = total.mean(dim=-1, keepdim=True).clamp(min=1e-9)
         self.log("train/maxvio", ((total.max(dim=-1, keepdim=True).values - mean) / mean).mean(), batch_size=1)
         if self.hparams.router_bias_update_lr > 0:
