@@ -13,6 +13,7 @@ from tests.callbacks.helpers import DENSE, MOE, build, count_calls, step
 from tests.cli.test_cli import ROOT
 from xtl.callbacks import ActivationCheckpointing, ActivationOffload, Compile
 from xtl.callbacks import compile as compile_module
+from xtl.data import XTLDataModule
 
 FRAGMENT = ROOT / "callbacks/compile.yaml"
 
@@ -45,11 +46,12 @@ class TestOptions:
             build(MOE, [Compile(backend="eager", fullgraph=True, compile_attention=True)])
 
     def test_packs_of_varying_length_are_refused_unless_dynamic(self):
-        trainer = SimpleNamespace(datamodule=SimpleNamespace(pad_to_max_length=False))
+        source = [{"path": "tiny:sft_train.jsonl", "kind": "chat"}]
+        trainer = SimpleNamespace(datamodule=XTLDataModule(sources=source, tokenizer="tiny:", pad_to_max_length=False))
         with pytest.raises(ValueError, match="pad_to_max_length"):
             Compile(backend="eager").setup(trainer, None, "fit")
         Compile(backend="eager", dynamic=True).setup(trainer, None, "fit")
-        padded = SimpleNamespace(datamodule=SimpleNamespace(pad_to_max_length=True))
+        padded = SimpleNamespace(datamodule=XTLDataModule(sources=source, tokenizer="tiny:"))
         Compile(backend="eager").setup(padded, None, "fit")
 
 

@@ -27,6 +27,7 @@ from xtl.batch import SequenceContext
 from xtl.callbacks import HFParityCheck
 from xtl.data.collate import MicroBatch
 from xtl.model.parity import ParityCheckError
+from xtl.strategies.parallelize import SingleDevice
 
 FRAGMENT = ROOT / "callbacks/parity_check.yaml"
 
@@ -48,7 +49,7 @@ def _single_process(root: Path, model: torch.nn.Module) -> tuple[SimpleNamespace
         loggers=[],
         default_root_dir=str(root),
     )
-    return trainer, SimpleNamespace(model=model, model_config=model.config)
+    return trainer, SimpleNamespace(model=model, model_config=model.config, parallelizer=SingleDevice())
 
 
 def _micro_batch() -> MicroBatch:

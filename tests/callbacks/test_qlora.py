@@ -48,6 +48,7 @@ from xtl.module.nf4 import (
     quantize_linear,
 )
 from xtl.strategies import FSDPStrategy
+from xtl.strategies.parallelize import SingleDevice
 
 # The NF4 data type of the QLoRA paper (Dettmers et al. 2023, appendix E; bitsandbytes' fp32 table).
 PAPER_NF4 = [
@@ -256,19 +257,22 @@ class TestQLoRAOptions:
         assert is_nf4(model.get_submodule("layers.0.mlp.down_proj").weight)
 
     def test_the_qlora_callback_needs_one_plain_lora_and_one_device(self):
-        single = SimpleNamespace(strategy=SimpleNamespace())
+        single = SimpleNamespace(parallelizer=SingleDevice())  # the module's view of its strategy
         with pytest.raises(ConfigError, match="needs one LoRA callback, it has 0"):
-            QLoRA().setup(SimpleNamespace(callbacks=[], **vars(single)), None, "fit")
+            QLoRA().setup(SimpleNamespace(callbacks=[]), single, "fit")
         both = [LoRA(quantize_base="nf4"), QLoRA()]
         with pytest.raises(ConfigError, match="set already"):
-            both[1].setup(SimpleNamespace(callbacks=both, **vars(single)), None, "fit")
+            both[1].setup(SimpleNamespace(callbacks=both), single, "fit")
         plain = [LoRA(), QLoRA()]
-        plain[1].setup(SimpleNamespace(callbacks=plain, **vars(single)), None, "fit")
-        fsdp = SimpleNamespace(callbacks=plain, strategy=FSDPStrategy())
+        plain[1].setup(SimpleNamespace(callbacks=plain), single, "fit")
+        fsdp, sharded = (
+            SimpleNamespace(callbacks=plain, strategy=FSDPStrategy()),
+            SimpleNamespace(parallelizer=FSDPStrategy()),
+        )
         with pytest.raises(ConfigError, match="single-device"):
-            plain[1].setup(fsdp, None, "fit")
+            plain[1].setup(fsdp, sharded, "fit")
         with pytest.raises(ConfigError, match="single-device"):
-            LoRA(quantize_base="nf4").setup(fsdp, None, "fit")
+            LoRA(quantize_base="nf4").setup(fsdp, sharded, "fit")
 
 
 def _losses(run_dir: Path) -> dict[int, str]:

@@ -105,7 +105,13 @@ class TestSave:
             assert filecmp.cmp(tmp_path / "xtl" / name, ckpts["fp8"] / name, shallow=False), name
 
     def test_hf_export_writes_the_same_fp8_checkpoint(self, ckpts, tmp_path):
-        trainer = SimpleNamespace(default_root_dir=str(tmp_path), is_global_zero=True, strategy=SimpleNamespace())
+        trainer = SimpleNamespace(
+            default_root_dir=str(tmp_path),
+            is_global_zero=True,
+            strategy=SimpleNamespace(),
+            datamodule=None,
+            callbacks=[],
+        )
         trainer.strategy.barrier = lambda: None
         target = HFExport(fp8="blockwise").export(trainer, SimpleNamespace(model=_load(ckpts["bf16"])), "final")
         shard = "model-00001-of-00001.safetensors"

@@ -252,6 +252,6 @@ class TestLayoutErrors:
                 return 3
 
         with pytest.raises(
-            ValueError, match=r"layers.0.mlp: 4 routed experts do not split over expert_parallel_size=3"
+            ValueError, match=r"MoE block 0: 4 routed experts do not split over expert_parallel_size=3"
         ):
             split_experts(_model("qwen3_moe", meta=True), ThreeRanks())

@@ -8,14 +8,12 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
-from torch import nn
 from torch.distributed._composable import checkpoint
 from torch.utils import checkpoint as torch_checkpoint
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from xtl.callbacks._layers import check_every_n_layers, chosen_stacks, select_layers
 from xtl.model import BaseModel
-from xtl.module.router import Router
 from xtl.strategies.parallelize import ModelTransform, TransformStage
 
 CheckpointMode = Literal["full", "selective"]
@@ -65,15 +63,18 @@ class ActivationCheckpointing(pl.Callback, ModelTransform):
     def transform_model(self, model: BaseModel) -> BaseModel:
         """Install checkpointing on the chosen blocks of ``model`` (built on meta; names unchanged)."""
         self.checkpointed_layers = {}
+        moe_blocks = {id(block) for block in model.moe_blocks()}
         for part, stack in chosen_stacks(model, self.parts, "ActivationCheckpointing.parts").items():
             self.checkpointed_layers[part] = select_layers(len(stack), self.every_n_layers, part=part)
             for index in self.checkpointed_layers[part]:
-                checkpoint(stack[index], context_fn=self.context_fn(stack[index]))
+                layer = stack[index]
+                routed = any(id(module) in moe_blocks for module in layer.modules())
+                checkpoint(layer, context_fn=self.context_fn(routed))
         return model
 
-    def context_fn(self, layer: nn.Module) -> Callable[[], tuple[Any, Any]] | None:
-        """The selective-checkpoint contexts of ``layer`` (``None``: plain full recomputation)."""
-        routed = any(isinstance(module, Router) for module in layer.modules())
+    def context_fn(self, routed: bool) -> Callable[[], tuple[Any, Any]] | None:
+        """The selective-checkpoint contexts of a block (``routed``: it holds an MoE block; ``None``: plain full
+        recomputation)."""
         if self.mode == "selective":
             return functools.partial(create_selective_checkpoint_contexts, save_matmuls_policy)
         if routed:

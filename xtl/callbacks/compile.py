@@ -8,8 +8,8 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 
+from xtl.callbacks._run import run_datamodule
 from xtl.model import BaseModel
-from xtl.module.moe_block import MoEBlock
 from xtl.strategies.parallelize import ModelTransform, TransformStage
 
 CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
@@ -92,34 +92,30 @@ class Compile(pl.Callback, ModelTransform):
         Raises:
             ValueError: When the datamodule does not pad packs to ``pack_max_length`` and ``dynamic`` is not true.
         """
-        datamodule = getattr(trainer, "datamodule", None)
-        if self.dynamic is not True and getattr(datamodule, "pad_to_max_length", True) is False:
+        datamodule = run_datamodule(trainer)
+        if self.dynamic is not True and datamodule is not None and not datamodule.pad_to_max_length:
             raise ValueError(
                 "the Compile callback needs fixed-length packs: set data.pad_to_max_length: true "
                 "(or compile with dynamic: true to accept varying lengths)"
             )
 
-    def eager_parts(self, layer: nn.Module) -> list[nn.Module]:
-        """The submodules of ``layer`` that run eagerly inside the compiled layer (graph breaks around them)."""
-        parts = []
-        attention = getattr(layer, "self_attn", None)
-        if not self.compile_attention and isinstance(attention, nn.Module):
-            parts.append(attention)
-        if not self.compile_moe_block and isinstance(getattr(layer, "mlp", None), MoEBlock):
-            parts.append(layer.mlp)
-        return parts
+    def eager_parts(self, model: BaseModel) -> list[nn.Module]:
+        """The parts of the decoder layers that run eagerly inside the compiled layers (graph breaks around them):
+        the attention modules and the MoE blocks, unless ``compile_attention`` / ``compile_moe_block``."""
+        parts: list[nn.Module] = [] if self.compile_attention else model.attention_modules()
+        return parts + ([] if self.compile_moe_block else model.moe_blocks())
 
     def transform_model(self, model: BaseModel) -> BaseModel:
         """Compile each decoder layer (and ``head_loss``) in place; names and structure stay unchanged."""
-        for layer in model.layer_stacks()["language"]:
-            eager = self.eager_parts(layer)
-            if eager and self.fullgraph:
-                raise ValueError(
-                    "compile fullgraph: true needs compile_attention: true (and compile_moe_block: true for MoE "
-                    "models): the parts run eagerly are graph breaks"
-                )
-            for part in eager:
-                part.forward = torch.compiler.disable(part.forward, recursive=True)  # an attribute: names unchanged
+        eager = self.eager_parts(model)
+        if eager and self.fullgraph:
+            raise ValueError(
+                "compile fullgraph: true needs compile_attention: true (and compile_moe_block: true for MoE "
+                "models): the parts run eagerly are graph breaks"
+            )
+        for part in eager:
+            part.forward = torch.compiler.disable(part.forward, recursive=True)  # an attribute: names unchanged
+        for layer in model.decoder_layers():
             layer.compile(**self.options)
         if self.compile_loss:
             text = model.text_model()

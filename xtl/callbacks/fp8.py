@@ -13,9 +13,8 @@ from torch import nn
 
 from xtl.callbacks._layers import module_names
 from xtl.model import BaseModel
-from xtl.module.experts import GroupedExperts
 from xtl.ops.fp8 import BLOCK, blockwise_fp8_linear, blockwise_fp8_path
-from xtl.strategies.parallelize import ModelTransform, ShardedStrategyMixin, TransformStage
+from xtl.strategies.parallelize import ModelTransform, TransformStage
 
 Fp8Recipe = Literal["tensorwise", "rowwise", "blockwise"]
 RECIPES: tuple[str, ...] = ("tensorwise", "rowwise", "blockwise")
@@ -77,10 +76,11 @@ class FP8Training(pl.Callback, ModelTransform):
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Note whether the model will be FSDP-sharded on CUDA (runs before ``configure_model``)."""
-        strategy = trainer.strategy
-        self._fsdp_on_cuda = isinstance(strategy, ShardedStrategyMixin) and strategy.root_device.type == "cuda"
+        parallelizer = pl_module.parallelizer
+        device = parallelizer.root_device
+        self._fsdp_on_cuda = parallelizer.shards_parameters and device.type == "cuda"
         if self.recipe == "blockwise":
-            rank_zero_info(f"fp8 blockwise on {strategy.root_device}: {blockwise_fp8_path(strategy.root_device)} path")
+            rank_zero_info(f"fp8 blockwise on {device}: {blockwise_fp8_path(device)} path")
 
     def transform_model(self, model: BaseModel) -> BaseModel:
         """Swap the chosen linear layers of ``model`` (built on meta) for fp8 ones; names are unchanged."""
@@ -102,12 +102,12 @@ class FP8Training(pl.Callback, ModelTransform):
         self.skipped = {}
         chosen, used = [], set()
         names = module_names(model)
+        for block in model.moe_blocks():
+            self.skipped[names[id(block.experts)]] = "routed experts: grouped GEMM in the training dtype"
         for part, stack in model.layer_stacks().items():
             for layer in stack:
                 for module in layer.modules():
                     name = names[id(module)]
-                    if isinstance(module, GroupedExperts):
-                        self.skipped[name] = "routed experts: grouped GEMM in the training dtype"
                     if type(module) is not nn.Linear:
                         continue
                     patterns = [p for p in self.skip if fnmatchcase(name, p)]

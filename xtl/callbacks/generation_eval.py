@@ -10,7 +10,9 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.trainer.states import TrainerFn
 
+from xtl.callbacks._run import run_datamodule
 from xtl.data.item import DataError
+from xtl.errors import ConfigError
 from xtl.train.generation import GenerationConfig, chat_prompt_ids, generate, split_thinking
 from xtl.utils import resolve_path
 
@@ -73,10 +75,11 @@ class GenerationEval(pl.Callback):
 
     def evaluate(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> float:
         """Score the eval set now; returns the share of correct answers."""
-        datamodule = trainer.datamodule
+        datamodule = run_datamodule(trainer)
+        if datamodule is None:
+            raise ConfigError("GenerationEval needs xtl's data module (data: in the config) for the tokenizer")
         tokenizer = datamodule.load_tokenizer()
-        template = getattr(datamodule, "template", None)
-        kwargs = getattr(datamodule, "template_kwargs", None)
+        template, kwargs = datamodule.template, datamodule.template_kwargs
         config = GenerationConfig(max_new_tokens=self.max_new_tokens).with_tokenizer(tokenizer, template)
         stop = set(config.stop_token_ids)
         samples = self._samples()

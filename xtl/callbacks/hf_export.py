@@ -8,6 +8,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
+from xtl.callbacks._run import run_datamodule
 from xtl.callbacks.lora import LoRA
 from xtl.errors import ConfigError
 from xtl.model import BaseModel
@@ -103,9 +104,10 @@ class HFExport(pl.Callback):
         if adapted and self.lora in ("adapter", "both"):
             adapter_dir = target / "adapter" if self.lora == "both" else target
             config = _adapter_config(trainer, model)
-            save_peft_adapter(model, adapter_dir, config, source_dir=model._hf_path, dtype=dtype)
+            save_peft_adapter(model, adapter_dir, config, source_dir=model.source_dir, dtype=dtype)
             written.append(adapter_dir)
-        tokenizer = getattr(getattr(trainer, "datamodule", None), "tokenizer_path", None)
+        datamodule = run_datamodule(trainer)
+        tokenizer = datamodule.tokenizer_path if datamodule is not None else None
         if trainer.is_global_zero and tokenizer:
             for out_dir in written:
                 copy_side_files(resolve_path(tokenizer), out_dir)
@@ -116,11 +118,10 @@ class HFExport(pl.Callback):
 
 def _token_ids(trainer: pl.Trainer) -> dict[str, Any] | None:
     """Special-token ids of the datamodule's tokenizer and chat template (``None`` without a datamodule)."""
-    datamodule = getattr(trainer, "datamodule", None)
-    load = getattr(datamodule, "load_tokenizer", None)
-    if load is None:
+    datamodule = run_datamodule(trainer)
+    if datamodule is None:
         return None
-    return special_token_ids(load(), getattr(datamodule, "template", None))
+    return special_token_ids(datamodule.load_tokenizer(), datamodule.template)
 
 
 def _adapter_config(trainer: pl.Trainer, model: BaseModel) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from xtl.model.hf.peft_adapter import (
 )
 from xtl.module.lora import LORA_INITS, add_lora, lora_layers
 from xtl.module.nf4 import QUANTIZE_BASE, quantize_base_weights
-from xtl.strategies.parallelize import ModelTransform, ShardedStrategyMixin, TransformStage
+from xtl.strategies.parallelize import ModelTransform, TransformStage
 from xtl.utils import resolve_path
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -139,7 +139,7 @@ class LoRA(pl.Callback, ModelTransform):
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Refuse QLoRA under a sharded strategy before any weight is loaded."""
-        if self.quantize_base is not None and isinstance(trainer.strategy, ShardedStrategyMixin):
+        if self.quantize_base is not None and pl_module.parallelizer.shards_parameters:
             raise ConfigError(
                 f"LoRA.quantize_base {self.quantize_base} (QLoRA) is single-device for now: drop quantize_base under "
                 f"{type(trainer.strategy).__name__}, or train on one device"

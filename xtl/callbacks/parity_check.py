@@ -19,7 +19,6 @@ from xtl.model.parity import (
     resolve_tolerance,
     run_parity_check,
 )
-from xtl.strategies.fsdp import FSDPStrategy
 from xtl.utils import atomic_write_bytes
 
 _ON_FAIL = ("raise", "warn")
@@ -111,8 +110,8 @@ class HFParityCheck(pl.Callback):
         Raises:
             ConfigError: For a vision-language model (the check compares decoder-only text models).
         """
-        config = getattr(pl_module, "model_config", None)
-        if hasattr(config, "vision_config"):
+        config = pl_module.model_config
+        if config.vision_language:
             raise ConfigError(
                 f"HFParityCheck compares decoder-only text models with transformers; {type(config).__name__} has a "
                 "vision tower: drop callbacks/parity_check.yaml from this run"
@@ -147,7 +146,7 @@ class HFParityCheck(pl.Callback):
             documents,
             hf_config=pl_module.model_config.hf_config,
             mode=self.mode,
-            tolerance=self._tolerance(trainer),
+            tolerance=self._tolerance(trainer, pl_module),
             tolerances=self.tolerances,
             grad_params=self.grad_params,
             max_layers=self.max_layers,
@@ -171,7 +170,7 @@ class HFParityCheck(pl.Callback):
 
     # ---- private ---------------------------------------------------------------------------------------------
 
-    def _tolerance(self, trainer: pl.Trainer) -> str:
+    def _tolerance(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> str:
         """``auto`` in ``fast`` mode under 16-bit autocast is the bf16 preset (the reference may be fp32); in
         ``hf_impl`` mode under FSDP with a 16-bit ``param_dtype`` it is ``bitwise_forward`` (gradients are summed
         over the documents in ``reduce_dtype``)."""
@@ -179,8 +178,8 @@ class HFParityCheck(pl.Callback):
             return self.tolerance
         if self.mode == "fast" and "16-mixed" in str(trainer.precision):
             return "bf16"
-        strategy = trainer.strategy
-        if self.mode == "hf_impl" and isinstance(strategy, FSDPStrategy) and strategy.param_dtype in _DTYPES[1:]:
+        parallelizer = pl_module.parallelizer
+        if self.mode == "hf_impl" and parallelizer.gathered_dtype in (torch.bfloat16, torch.float16):
             return "bitwise_forward"
         return self.tolerance
 

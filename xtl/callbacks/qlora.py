@@ -9,7 +9,7 @@ from xtl.callbacks.lora import LoRA
 from xtl.errors import ConfigError
 from xtl.model import BaseModel
 from xtl.module.nf4 import QUANTIZE_BASE, quantize_base_weights
-from xtl.strategies.parallelize import ModelTransform, ShardedStrategyMixin, TransformStage
+from xtl.strategies.parallelize import ModelTransform, TransformStage
 
 
 class QLoRA(pl.Callback, ModelTransform):
@@ -41,9 +41,9 @@ class QLoRA(pl.Callback, ModelTransform):
                 f"QLoRA quantizes the base weights of LoRA adapters: the run needs one LoRA callback, it has "
                 f"{len(loras)} (add --config callbacks/lora.yaml before callbacks/qlora.yaml)"
             )
-        if getattr(loras[0], "quantize_base", None) is not None:
+        if loras[0].quantize_base is not None:
             raise ConfigError("LoRA.quantize_base is set already: drop the QLoRA callback (callbacks/qlora.yaml)")
-        if isinstance(trainer.strategy, ShardedStrategyMixin):
+        if pl_module.parallelizer.shards_parameters:
             raise ConfigError(
                 f"QLoRA is single-device for now: drop callbacks/qlora.yaml under {type(trainer.strategy).__name__}, "
                 "or train on one device"

@@ -15,6 +15,7 @@ from xtl.batch import ModelOutput
 from xtl.model.config import TransformerConfig
 from xtl.model.hf.format import DEFAULT_MAX_SHARD_SIZE
 from xtl.model.hf.model_io import copy_into, load_hf_weights, save_hf_weights
+from xtl.module.moe_block import MoEBlock
 from xtl.module.norm import RMSNorm
 
 
@@ -204,17 +205,43 @@ class BaseModel(nn.Module):
                     full.normal_(mean=0.0, std=std)
             copy_into(tensor, full)
 
-    def layer_stacks(self) -> dict[str, nn.ModuleList]:
-        """The stacks of repeated blocks by part, in forward order: ``{"language": <decoder layers>}``.
+    # ---- parts ----------------------------------------------------------------------------------------------
+    # Transforms and strategies find the model's parts through these typed accessors, never by attribute names:
+    # a new family gets every callback by implementing them.
 
-        Sharding (:meth:`shard_units`) and the memory and speed transforms (checkpointing, offload, compile, fp8)
-        act on these blocks; a vision-language model has its vision blocks first, as ``"vision"``.
-        """
-        return {"language": self.layers}
+    def decoder_layers(self) -> nn.ModuleList:
+        """The decoder layers of the language model, in order (each a :class:`~xtl.module.DecoderLayer`)."""
+        raise NotImplementedError(f"{type(self).__name__} does not name its decoder layers")
+
+    def vision_blocks(self) -> nn.ModuleList | None:
+        """The vision tower's blocks, in order (``None``: a text-only model)."""
+        return None
+
+    def attention_modules(self) -> list[nn.Module]:
+        """The self-attention module of every decoder layer."""
+        return [layer.self_attn for layer in self.decoder_layers()]
+
+    def moe_blocks(self) -> list[MoEBlock]:
+        """The mixture-of-experts feed-forwards of the decoder layers (empty for a dense model)."""
+        return [layer.mlp for layer in self.decoder_layers() if isinstance(layer.mlp, MoEBlock)]
+
+    def layer_stacks(self) -> dict[str, nn.ModuleList]:
+        """The stacks of repeated blocks by part, in forward order: ``"vision"`` (vision-language models), then
+        ``"language"`` (the decoder layers). Memory and speed transforms act on these blocks."""
+        vision = self.vision_blocks()
+        return {**({"vision": vision} if vision is not None else {}), "language": self.decoder_layers()}
 
     def text_model(self) -> nn.Module:
         """The language-model body: embedding, decoder layers, final norm and the head with its ``head_loss``."""
         return self
+
+    def fp32_modules(self) -> list[nn.Module]:
+        """Modules that keep parameters in fp32 whatever the training dtype (their ``keep_fp32`` names)."""
+        return [
+            module
+            for module in self.modules()
+            if any(isinstance(getattr(module, name, None), nn.Parameter) for name in getattr(module, "keep_fp32", ()))
+        ]
 
     def shard_units(self) -> list[nn.Module]:
         """The modules a sharding strategy wraps one by one before the root: every block of :meth:`layer_stacks`.
@@ -222,6 +249,11 @@ class BaseModel(nn.Module):
         What is not inside a unit (embeddings, final norm, head, a vision merger) belongs to the root unit.
         """
         return [block for stack in self.layer_stacks().values() for block in stack]
+
+    @property
+    def source_dir(self) -> Path | None:
+        """The HF directory the weights were loaded from (``None``: initialized)."""
+        return self._hf_path
 
 
 __all__ = ["BaseModel"]

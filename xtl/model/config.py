@@ -35,6 +35,8 @@ class TransformerConfig:
 
     hf_config_class: ClassVar[type[PretrainedConfig]]
     hf_architecture: ClassVar[str]
+    routed_experts: ClassVar[bool] = False  # the family has mixture-of-experts layers
+    vision_language: ClassVar[bool] = False  # the family has a vision tower
 
     vocab_size: int = 32000
     hidden_size: int = 4096

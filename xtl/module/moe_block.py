@@ -36,6 +36,15 @@ class MoEBlock(nn.Module):
         self.shared_experts = shared_experts
         self.dispatcher = dispatcher or LocalDispatcher(gate.num_experts)
 
+    @property
+    def num_experts(self) -> int:
+        """Routed experts of the layer (on all ranks together)."""
+        return self.gate.num_experts
+
+    def use_dispatcher(self, dispatcher: MoEDispatcher) -> None:
+        """Move tokens to the experts with ``dispatcher`` (expert parallelism installs an all-to-all one)."""
+        self.dispatcher = dispatcher
+
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, RouterOutput]:
         """Apply the block to ``(B, T, C)``; returns the output and the routing of the ``B*T`` tokens."""
         shape = hidden_states.shape

@@ -21,12 +21,11 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from xtl.model import BaseModel
 from xtl.module.dispatcher import AllToAllDispatcher
-from xtl.module.moe_block import MoEBlock
 from xtl.strategies.layout import ParallelMeshes
 
 
 def split_experts(model: BaseModel, ep_mesh: DeviceMesh) -> list[nn.Module]:
-    """Split every MoE layer's routed experts over ``ep_mesh`` and install the all-to-all dispatcher.
+    """Split every MoE block's routed experts over ``ep_mesh`` and install the all-to-all dispatcher.
 
     Works on a model built on ``meta`` (no storage is allocated). Returns the expert modules, for FSDP.
 
@@ -35,19 +34,16 @@ def split_experts(model: BaseModel, ep_mesh: DeviceMesh) -> list[nn.Module]:
     """
     ep = ep_mesh.size()
     experts_modules = []
-    for name, block in model.named_modules():
-        if not isinstance(block, MoEBlock):
-            continue
-        num_experts = block.gate.num_experts
-        if num_experts % ep:
+    for index, block in enumerate(model.moe_blocks()):
+        if block.num_experts % ep:
             raise ValueError(
-                f"{name}: {num_experts} routed experts do not split over expert_parallel_size={ep}; "
-                f"use a divisor of {num_experts}"
+                f"MoE block {index}: {block.num_experts} routed experts do not split over expert_parallel_size={ep}; "
+                f"use a divisor of {block.num_experts}"
             )
         for param_name, param in list(block.experts.named_parameters(recurse=False)):
             shard = distribute_tensor(param.data, ep_mesh, [Shard(0)], src_data_rank=None)
             block.experts.register_parameter(param_name, nn.Parameter(shard, requires_grad=param.requires_grad))
-        block.dispatcher = AllToAllDispatcher(num_experts, ep_mesh.get_group())
+        block.use_dispatcher(AllToAllDispatcher(block.num_experts, ep_mesh.get_group()))
         experts_modules.append(block.experts)
     return experts_modules
 

@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
-from torch import nn
 
 from xtl.model import BaseModel
 from xtl.strategies.layout import ParallelLayout, ParallelMeshes
@@ -206,9 +205,10 @@ def fully_shard_model(model: BaseModel, **fsdp_kwargs: Any) -> BaseModel:
     fp32_kwargs = {**fsdp_kwargs}
     if policy is not None and policy.param_dtype is not None:
         fp32_kwargs["mp_policy"] = replace(policy, param_dtype=None)
+    fp32 = {id(module) for module in model.fp32_modules()}
     for unit in model.shard_units():
         for module in unit.modules():
-            if any(isinstance(getattr(module, name, None), nn.Parameter) for name in getattr(module, "keep_fp32", ())):
+            if id(module) in fp32:
                 fully_shard(module, **fp32_kwargs)
         fully_shard(unit, **fsdp_kwargs)
     fully_shard(model, **fsdp_kwargs)

@@ -8,7 +8,6 @@ from typing import Any
 
 from xtl.errors import ConfigError, did_you_mean
 from xtl.model import MODEL_TYPES, TransformerConfig, get_model_config, get_model_config_from_hf
-from xtl.model.moe.config import MoEConfig
 from xtl.utils import resolve_pretrained
 
 # (routed experts, vision tower) -> the LightningModule that trains such a family
@@ -70,8 +69,7 @@ def resolve_model_config(
 
 def family_traits(config: TransformerConfig) -> tuple[bool, bool]:
     """``(has routed experts, has a vision tower)`` of a model config (a VLM's language model decides the first)."""
-    text = getattr(config, "text_config", None) or config
-    return isinstance(text, MoEConfig), hasattr(config, "vision_config")
+    return bool(config.routed_experts), bool(config.vision_language)
 
 
 def check_module_for_family(module_class: type, config: TransformerConfig, trains: tuple[bool, bool]) -> None:

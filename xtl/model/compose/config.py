@@ -127,6 +127,13 @@ class Qwen3VLConfig:
             self.vision_config = Qwen3VLVisionConfig(**self.vision_config)
         self.text_config.tie_word_embeddings = self.tie_word_embeddings
 
+    vision_language: ClassVar[bool] = True
+
+    @property
+    def routed_experts(self) -> bool:
+        """Whether the language model has mixture-of-experts layers."""
+        return self.text_config.routed_experts
+
     @property
     def model_type(self) -> str:
         """transformers' ``model_type`` of this family."""

@@ -339,9 +339,13 @@ class Qwen3VL(BaseModel):
     def _ignorable_hf_key(self, key: str) -> bool:
         return key.endswith("rotary_emb.inv_freq") or (self.config.tie_word_embeddings and key == "lm_head.weight")
 
-    def layer_stacks(self) -> dict[str, nn.ModuleList]:
-        """The vision blocks (``"vision"``), then the decoder layers (``"language"``)."""
-        return {"vision": self.visual.blocks, "language": self.language_model.layers}
+    def decoder_layers(self) -> nn.ModuleList:
+        """The language model's decoder layers."""
+        return self.language_model.decoder_layers()
+
+    def vision_blocks(self) -> nn.ModuleList:
+        """The vision tower's blocks."""
+        return self.visual.blocks
 
     def text_model(self) -> nn.Module:
         """The language model (``language_model``)."""

@@ -46,6 +46,10 @@ class Dense(BaseModel):
         self.tie_weights()
         self.rotary_emb = RotaryEmbedding(config.hf_config)
 
+    def decoder_layers(self) -> nn.ModuleList:
+        """``layers``."""
+        return self.layers
+
     def tie_weights(self) -> None:
         """Share the LM head with the input embedding when the config ties them."""
         if self.config.tie_word_embeddings:

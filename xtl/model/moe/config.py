@@ -26,6 +26,7 @@ class MoEConfig(DenseConfig):
 
     # transformers config fields that are not dataclass fields of the transformers config class but must be written
     hf_extra_fields: ClassVar[tuple[str, ...]] = ()
+    routed_experts: ClassVar[bool] = True
 
     num_experts_per_tok: int = 8
     moe_intermediate_size: int = 768
