@@ -29,7 +29,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from xtl.cli import main
+from xtl.command import main
 from xtl.utils import TINY_ASSETS_DIR
 
 ROOT = Path(__file__).resolve().parents[1]

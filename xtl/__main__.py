@@ -2,6 +2,6 @@
 
 import sys
 
-from xtl.cli import main
+from xtl.command import main
 
 sys.exit(main())

@@ -1,13 +1,6 @@
-"""The ``xtl`` command: LightningCLI for ``fit``/``validate``/``test`` plus tool subcommands.
+"""``xtl fit|validate|test|predict``: the LightningCLI with xtl's module base, data module and error reporting.
 
-Examples::
-
-    xtl fit --config configs/tiny_sft.yaml
-    xtl fit --config configs/tiny_sft.yaml --config callbacks/eval.yaml --config callbacks/hf_export.yaml
-    xtl fit --config runs/tiny_sft/config.yaml --ckpt_path last      # resume exactly
-    xtl validate --config configs/tiny_sft.yaml --ckpt_path runs/tiny_sft/checkpoints/last.ckpt
-    xtl memory qwen3-8b --gpus-per-node 8 --seq-len 32768
-    xtl convert to-fp8 --help
+:mod:`xtl.command` is the ``xtl`` command itself; it hands these subcommands to :func:`main`.
 """
 
 from __future__ import annotations
@@ -29,7 +22,6 @@ from xtl.strategies.checkpoint_io import LIGHTNING_METADATA, raise_if_unreadable
 from xtl.train import LanguageModule
 from xtl.train.optim import OptimizerConfig
 
-LIGHTNING_SUBCOMMANDS = ("fit", "validate", "test", "predict")
 CKPT_KEYWORDS = ("last", "best", "hpc")  # --ckpt_path values Lightning resolves itself
 ARCHITECTURE_KEYS = ("model", "model_overrides")  # model.init_args keys a checkpoint always decides
 
@@ -97,29 +89,13 @@ class XTLCLI(LightningCLI):
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``xtl`` console script."""
-    try:
-        return _main(argv)
-    except BrokenPipeError:  # output piped into a reader that stopped early (``| head``): not an error
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
+    """Run ``xtl fit|validate|test|predict ...`` (``argv``: the arguments after ``xtl``, default ``sys.argv[1:]``).
 
-
-def _main(argv: list[str] | None) -> int:
+    Returns:
+        The exit code: 0, or 2 for a user error (printed in one line, ``XTL_DEBUG=1`` raises it instead).
+    """
     explicit = argv is not None
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] not in LIGHTNING_SUBCOMMANDS and not argv[0].startswith("-"):
-        from xtl.tools import TOOLS
-
-        if argv[0] in TOOLS:
-            return TOOLS[argv[0]](argv[1:])
-        names = ", ".join([*LIGHTNING_SUBCOMMANDS, *TOOLS])
-        print(f"xtl: unknown command {argv[0]!r}; commands: {names}", file=sys.stderr)
-        return 2
-    if not argv or argv[0] in ("-h", "--help"):
-        print(__doc__)
-        if not argv:
-            return 2
     moved = moved_key_error(argv)
     if moved:
         print(f"xtl: error: {moved}", file=sys.stderr)

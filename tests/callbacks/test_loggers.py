@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from xtl.cli import main
+from xtl.command import main
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["--model.init_args.model.hidden_size", "32", "--model.init_args.model.intermediate_size", "64",

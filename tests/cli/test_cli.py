@@ -14,8 +14,9 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import xtl.cli
-from xtl.cli import bf16_fallback, main
+import xtl.command
+from xtl.cli import bf16_fallback
+from xtl.command import main
 from xtl.model import get_model_config_from_hf
 from xtl.train.generation import GenerationConfig, chat_prompt_ids, generate, split_thinking, stop_token_ids
 
@@ -112,7 +113,7 @@ class TestConfigsParse:
         assert "class_path: xtl.train.AdamWConfig" in out and "lr: 0.25" in out
 
     def test_help_examples_of_the_tools_run(self, capsys):
-        examples = [line.split()[1:] for line in xtl.cli.__doc__.splitlines() if line.strip().startswith("xtl ")]
+        examples = [line.split()[1:] for line in xtl.command.__doc__.splitlines() if line.strip().startswith("xtl ")]
         tools = [args for args in examples if args[0] not in ("fit", "validate", "test", "predict")]
         assert tools, "xtl --help shows tool examples"
         for args in tools:

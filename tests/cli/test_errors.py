@@ -10,7 +10,7 @@ import pytest
 import torch
 from lightning_utilities.core.imports import RequirementCache
 
-from xtl.cli import main
+from xtl.command import main
 
 ROOT = Path(__file__).resolve().parents[2]
 GOOD = '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n'

@@ -7,7 +7,7 @@ import json
 import math
 from pathlib import Path
 
-from xtl.cli import main
+from xtl.command import main
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "configs/tiny_vlm_sft.yaml"

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from tests.composition.matrix import cells
-from xtl.cli import main
+from xtl.command import main
 from xtl.utils import atomic_write_bytes
 
 PROBE = "trainer:\n  callbacks+:\n    - class_path: tests.composition.probe.Probe\n"

@@ -15,7 +15,7 @@ import xtl.data.multimodal as mm
 from xtl.data import DataError, XTLDataModule
 from xtl.data.collate import collate_pack
 from xtl.data.multimodal import IMAGE_TOKEN, ImageProcessorConfig, VisionChatTokenizeFn
-from xtl.data.tokenize import build_tokenize_fn
+from xtl.data.tokenize_fn import build_tokenize_fn
 from xtl.utils import resolve_path
 
 TOKENIZER = resolve_path("tiny:../tiny_vlm")

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from xtl.callbacks import HFExport
-from xtl.cli import main
+from xtl.command import main
 from xtl.model import get_model_config_from_hf
 from xtl.model.hf import SCALE_SUFFIX, CheckpointFormatError, CheckpointReader, dequantize_blockwise
 from xtl.model.moe import MoE

@@ -36,7 +36,7 @@ FSDP = (
 # ``xtl fit`` whose process SIGKILLs itself inside its KILL_AT-th replacement of ``last.ckpt``
 DIE_IN_SAVE = """
 import os, signal, sys
-from xtl.cli import main
+from xtl.command import main
 
 calls, real = [0], os.replace
 

@@ -14,7 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
 from tests.conftest import TINY, build_tiny_hf
 from tests.model.test_moe_parity import build_tiny_moe
 from tests.model.test_parity import router_top_k_plus_one, swap_q_and_k_keys, wrong_norm_eps, wrong_rope_theta
-from xtl.cli import main
+from xtl.command import main
 from xtl.model import parity
 from xtl.tools import TOOLS, check_parity
 from xtl.utils import TINY_ASSETS_DIR

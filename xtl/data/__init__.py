@@ -28,13 +28,8 @@ from xtl.data.sampler import EvalStepSampler, RankSteps, StepSampler, load_prese
 from xtl.data.sources import FileHashMemo, HFSource, JsonlSource, Source, SourceSpec, hash_file, open_source
 from xtl.data.templates import TEMPLATES, ChatTemplate, Rendered, get_template
 from xtl.data.tiny import build_bpe_tokenizer, tiny_assets_dir
-from xtl.data.tokenize import (
-    ChatTokenizeFn,
-    PretrainTokenizeFn,
-    TokenizeFn,
-    build_tokenize_fn,
-    tokenizer_fingerprint,
-)
+from xtl.data.tokenize import ChatTokenizeFn, PretrainTokenizeFn, TokenizeFn, tokenizer_fingerprint
+from xtl.data.tokenize_fn import build_tokenize_fn
 
 if TYPE_CHECKING:
     from xtl.data.datamodule import XTLDataModule

@@ -30,7 +30,7 @@ from xtl.data.packing import (
 )
 from xtl.data.sampler import EvalStepSampler, RankSteps, SamplerOrder, StepSampler
 from xtl.data.sources import FileHashMemo, SourceSpec, open_source
-from xtl.data.tokenize import build_tokenize_fn
+from xtl.data.tokenize_fn import build_tokenize_fn
 from xtl.utils import resolve_path, resolve_pretrained
 
 log = logging.getLogger(__name__)

@@ -554,58 +554,6 @@ def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
     return h.hexdigest()
 
 
-def build_tokenize_fn(
-    kind: str,
-    tokenizer: PreTrainedTokenizerBase,
-    template: str = "qwen3",
-    text_key: str = "text",
-    messages_key: str = "messages",
-    chunk_size: int | None = None,
-    chunk_overlap: int = 0,
-    template_kwargs: dict[str, Any] | None = None,
-    eos_token: str | None = None,
-    image_processor: Any = None,
-    image_root: str | None = None,
-) -> TokenizeFn:
-    """Build the tokenize function for a source kind.
-
-    Args:
-        kind (str): ``"chat"``, ``"text"`` or ``"vlm_chat"`` (chat with image content parts).
-        tokenizer (PreTrainedTokenizerBase): Fast tokenizer.
-        template (str): Chat template name (chat only).
-        text_key (str): Text field (text only).
-        messages_key (str): Messages field (chat only).
-        chunk_size (int | None): Long-document chunking (text only).
-        chunk_overlap (int): Chunk overlap (text only).
-        template_kwargs (dict | None): Template overrides (chat only).
-        eos_token (str | None): EOS override (text only).
-        image_processor (Any): ``vlm_chat`` only: :class:`xtl.data.multimodal.ImageProcessorConfig` (or its fields).
-        image_root (str | None): ``vlm_chat`` only: folder of relative image paths (default: the JSONL's folder).
-
-    Returns:
-        TokenizeFn: The function.
-    """
-    if kind == "text":
-        return PretrainTokenizeFn(
-            tokenizer, text_key=text_key, chunk_size=chunk_size, chunk_overlap=chunk_overlap, eos_token=eos_token
-        )
-    if kind == "chat":
-        return ChatTokenizeFn(tokenizer, template=template, messages_key=messages_key, template_kwargs=template_kwargs)
-    if kind == "vlm_chat":
-        from xtl.data.multimodal import ImageProcessorConfig, VisionChatTokenizeFn
-
-        settings = ImageProcessorConfig.from_any(image_processor) or ImageProcessorConfig()
-        return VisionChatTokenizeFn(
-            tokenizer,
-            settings,
-            image_root=image_root,
-            template=template,
-            messages_key=messages_key,
-            template_kwargs=template_kwargs,
-        )
-    raise DataError(f"unknown source kind {kind!r}; use 'chat' (messages), 'text' (pretraining) or 'vlm_chat'")
-
-
 def arrays_to_item(ids: np.ndarray, mask: np.ndarray) -> DataItem:
     """Turn (ids, loss mask) arrays into a ``DataItem`` (labels -100 where the mask is False, and at position 0).
 

@@ -95,7 +95,7 @@ def _ensure_builtin() -> None:
 
 
 def _register_builtin() -> None:
-    from xtl.model import dense
+    import xtl.model.dense as dense
 
     for cls in (dense.LlamaDenseConfig, dense.Qwen2DenseConfig, dense.Qwen3DenseConfig):
         register_model_type(cls)
@@ -119,7 +119,7 @@ def _register_builtin() -> None:
 
 
 def _register_moe() -> None:
-    from xtl.model import moe
+    import xtl.model.moe as moe
 
     for cls in (moe.Qwen3MoEConfig, moe.DeepSeekV3Config, moe.GptOssMoEConfig):
         register_model_type(cls)
@@ -134,7 +134,7 @@ def _register_moe() -> None:
 
 
 def _register_compose() -> None:
-    from xtl.model import compose
+    import xtl.model.compose as compose
 
     for cls in (compose.Qwen3VLConfig, compose.Qwen3VLMoeConfig):
         register_model_type(cls)

@@ -1,0 +1,99 @@
+"""The import graph of ``xtl``: no cycles between modules, and no package importing one of a higher layer.
+
+Edges are every ``import`` of an ``xtl`` module in the source (function-level ones included, ``TYPE_CHECKING``
+blocks left out), read with ``ast``.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "xtl"
+# Lowest first: a package may import its own layer and the ones below.
+LAYERS = (
+    ("xtl", "errors", "utils", "batch", "_quiet"),
+    ("ops",),
+    ("module",),
+    ("model", "data"),
+    ("strategies",),
+    ("train",),
+    ("callbacks",),
+    ("cli_parser", "run_layout"),
+    ("cli",),
+    ("tools",),
+    ("command", "__main__"),
+)
+LAYER = {name: level for level, names in enumerate(LAYERS) for name in names}
+
+
+def import_graph() -> dict[str, set[str]]:
+    """``module -> the xtl modules it imports``."""
+    modules = {}
+    for path in PACKAGE.rglob("*.py"):
+        name = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__")
+        modules[name] = path
+    graph: dict[str, set[str]] = defaultdict(set)
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text())
+        hidden = {
+            id(node)
+            for block in ast.walk(tree)
+            if isinstance(block, ast.If) and "TYPE_CHECKING" in ast.unparse(block.test)
+            for node in ast.walk(block)
+        }
+        for node in ast.walk(tree):
+            if id(node) in hidden:
+                continue
+            targets = []
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                targets = [node.module]
+            elif isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            graph[name] |= {t for t in targets if t in modules}
+    return graph
+
+
+def package(module: str) -> str:
+    """``xtl.model.dense.dense`` -> ``model``; ``xtl`` -> ``xtl``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+class TestImportGraph:
+    def test_every_package_has_a_layer(self):
+        assert {package(m) for m in import_graph()} <= set(LAYER)
+
+    def test_no_package_imports_a_higher_layer(self):
+        upward = sorted(
+            f"{module} -> {target}"
+            for module, targets in import_graph().items()
+            for target in targets
+            if LAYER[package(target)] > LAYER[package(module)]
+        )
+        assert upward == []
+
+    def test_no_cycles(self):
+        graph = import_graph()
+        cycles = []
+        for start in graph:
+            path, stack = [start], [iter(graph[start])]
+            while stack:  # depth-first from start, looking for a way back to it
+                target = next(stack[-1], None)
+                if target is None:
+                    stack.pop()
+                    path.pop()
+                elif target == start:
+                    cycles.append(" -> ".join([*path, start]))
+                    break
+                elif target not in path and len(path) < 12:
+                    path.append(target)
+                    stack.append(iter(graph[target]))
+        assert cycles == []
+
+    @pytest.mark.parametrize("layer", range(len(LAYERS)))
+    def test_the_layers_are_disjoint(self, layer):
+        assert not set(LAYERS[layer]) & {n for i, names in enumerate(LAYERS) if i != layer for n in names}
