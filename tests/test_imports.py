@@ -22,7 +22,7 @@ LAYERS = (
     ("strategies",),
     ("train",),
     ("callbacks",),
-    ("cli_parser", "run_layout"),
+    ("cli_parser", "moved_settings", "run_layout"),
     ("cli",),
     ("tools",),
     ("command", "__main__"),

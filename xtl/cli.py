@@ -14,9 +14,10 @@ import torch
 from jsonargparse import Namespace, set_parsing_settings
 from lightning.pytorch.cli import LightningCLI
 
-from xtl.cli_parser import XTLArgumentParser, moved_key_error, user_error_message
+from xtl.cli_parser import XTLArgumentParser, user_error_message
 from xtl.data import XTLDataModule
 from xtl.errors import ConfigError, debug_enabled
+from xtl.moved_settings import moved_setting_error
 from xtl.run_layout import SaveRunConfig, refuse_stale_checkpoints, root_outputs_at
 from xtl.strategies.checkpoint_io import LIGHTNING_METADATA, raise_if_unreadable
 from xtl.train import LanguageModule
@@ -96,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     """
     explicit = argv is not None
     argv = list(sys.argv[1:] if argv is None else argv)
-    moved = moved_key_error(argv)
+    moved = moved_setting_error(argv)
     if moved:
         print(f"xtl: error: {moved}", file=sys.stderr)
         return 2

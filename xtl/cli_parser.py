@@ -3,7 +3,6 @@
 - :class:`XTLArgumentParser`: LightningCLI's parser without option abbreviations (``--trainer.max_step`` is an
   error, not ``max_steps``), with "did you mean" for unknown keys and command-line typos, and the full key path of
   an unknown nested option.
-- :func:`moved_key_error`: model keys that moved into ``optimizer:`` / ``schedule:``.
 - :func:`user_error_message`: the message of a user error raised while the CLI instantiates or runs (xtl's
   ``UserError``, or a missing optional package), or ``None`` for a bug.
 """
@@ -12,26 +11,12 @@ from __future__ import annotations
 
 import re
 import sys
-from pathlib import Path
 from typing import Any, ClassVar
 
-import yaml
 from lightning.pytorch.cli import LightningArgumentParser
 
 from xtl.errors import UserError, debug_enabled, did_you_mean, short_message
 
-# Model arguments that were grouped into ``optimizer`` / ``schedule``: old key -> new key (under model.init_args).
-MOVED_MODEL_KEYS = {
-    "lr": "optimizer.lr",
-    "weight_decay": "optimizer.weight_decay",
-    "betas": "optimizer.betas",
-    "eps": "optimizer.eps",
-    "no_decay_norm_bias_embed": "optimizer.no_decay_norm_bias_embed",
-    "lr_schedule": "schedule.kind",
-    "warmup_steps": "schedule.warmup_steps",
-    "min_lr_ratio": "schedule.min_lr_ratio",
-    "lr_decay_steps": "schedule.decay_steps",
-}
 # "No module named 'x'" (ModuleNotFoundError) or Lightning's "Requirement 'x>=1.0' not met"
 _MISSING_PACKAGE = re.compile(r"No module named '([\w.]+)'|Requirement '([^']+)' not met")
 # Optional packages -> the xtl extra that installs them.
@@ -77,22 +62,6 @@ class XTLArgumentParser(LightningArgumentParser):
             print(f"  {line.strip()}", file=sys.stderr)
         print("  (`xtl fit --help` lists the keys; `--print_config` shows the merged config)", file=sys.stderr)
         sys.exit(2)
-
-
-def moved_key_error(argv: list[str]) -> str | None:
-    """A message naming the new key when ``argv`` or a ``--config`` file uses a model key that has moved."""
-    for i, arg in enumerate(argv):
-        if arg == "--config" and i + 1 < len(argv) or arg.startswith("--config="):
-            path = Path(arg.split("=", 1)[1] if "=" in arg else argv[i + 1])
-            found = _moved_in_yaml(path)
-            if found:
-                return f"{path}: {found}"
-        elif arg.startswith("--model."):
-            key = arg[2:].split("=", 1)[0]
-            found = _moved(key.removeprefix("model.").removeprefix("init_args."), "--model.init_args.")
-            if found:
-                return found
-    return None
 
 
 def user_error_message(exc: BaseException) -> str | None:
@@ -141,30 +110,3 @@ def _known_keys(parser: Any) -> list[str]:
         elif action.dest:
             keys.append(action.dest)
     return keys
-
-
-def _moved_in_yaml(path: Path) -> str | None:
-    try:
-        config = yaml.safe_load(path.read_text()) if path.is_file() else None
-    except yaml.YAMLError:
-        return None  # the CLI's own parser reports malformed YAML
-    model = config.get("model") if isinstance(config, dict) else None
-    if not isinstance(model, dict):
-        return None
-    args, prefix = (
-        (model["init_args"], "model.init_args.") if isinstance(model.get("init_args"), dict) else (model, "model.")
-    )
-    for key in args:
-        found = _moved(key, prefix)
-        if found:
-            return found
-    return None
-
-
-def _moved(key: str, prefix: str) -> str | None:
-    if key not in MOVED_MODEL_KEYS:
-        return None
-    return (
-        f"{prefix}{key} has moved to {prefix}{MOVED_MODEL_KEYS[key]} (optimizer and learning-rate schedule settings "
-        "are grouped under optimizer: and schedule:, see docs/configs.md)"
-    )

@@ -18,23 +18,23 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from tests.cli.test_cli import ROOT, _run_main
-from xtl.callbacks import HFExport, LoRA
+from xtl.callbacks import HFExport, LoRA, QLoRA
 from xtl.errors import ConfigError
 from xtl.model import BaseModel, get_model_config_from_hf
 from xtl.model.hf import CheckpointMismatchError, CheckpointReader, copy_into
 from xtl.model.hf.peft_adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, merge_lora_transform
 from xtl.module.lora import lora_layers
 from xtl.ops import hf_impl
-from xtl.strategies.parallelize import SingleDevice, WeightSource, fully_shard_model
+from xtl.strategies.parallelize import ModelTransform, SingleDevice, WeightSource, fully_shard_model
 
 ATOL = 1e-5  # fp32 logits: xtl's LoRA model vs. PEFT / the merged model in transformers (observed: <= 1e-6)
 
 
-def _xtl_lora(hf_dir: Path, lora: LoRA | None) -> BaseModel:
-    """The xtl model of ``hf_dir`` through the ``parallelize`` sequence with ``lora`` (weights loaded, eval)."""
+def _xtl_lora(hf_dir: Path, *transforms: ModelTransform) -> BaseModel:
+    """The xtl model of ``hf_dir`` through the ``parallelize`` sequence with ``transforms`` (weights loaded, eval)."""
     with torch.device("meta"):
         model = get_model_config_from_hf(hf_dir).build()
-    return SingleDevice().parallelize(model, [lora] if lora else [], WeightSource(hf_dir=hf_dir)).eval()
+    return SingleDevice().parallelize(model, list(transforms), WeightSource(hf_dir=hf_dir)).eval()
 
 
 def _randomize_adapters(model: BaseModel, seed: int = 3) -> None:
@@ -59,8 +59,12 @@ def _hf_logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
         return model.eval()(input_ids=ids).logits
 
 
-def _export(model: BaseModel, out: Path, lora: str, callbacks: list | None = None) -> Path:
-    """``HFExport(lora=...).export`` with a stand-in for the trainer (every rank calls it)."""
+def _export(model: BaseModel, out: Path, lora: LoRA | None, export: str = "merged", others: tuple = ()) -> Path:
+    """``HFExport.export`` of a run with ``lora`` (its ``export`` set) and ``others`` as callbacks, with a stand-in
+    for the trainer (every rank calls it)."""
+    if lora is not None:
+        lora.export = export
+    callbacks = [*([lora] if lora else []), *others]
     distributed = dist.is_initialized()
     trainer = SimpleNamespace(
         default_root_dir=str(out),
@@ -69,7 +73,7 @@ def _export(model: BaseModel, out: Path, lora: str, callbacks: list | None = Non
         strategy=SimpleNamespace(barrier=dist.barrier if distributed else lambda: None),
         callbacks=callbacks or [],
     )
-    return HFExport(dirpath=str(out), lora=lora).export(trainer, SimpleNamespace(model=model), "final")
+    return HFExport(dirpath=str(out)).export(trainer, SimpleNamespace(model=model), "final")
 
 
 def _load_base(hf_dir: Path) -> torch.nn.Module:
@@ -89,7 +93,7 @@ def lora_model(tiny_hf_dir: object) -> tuple[Path, LoRA, BaseModel]:
 class TestMergedExport:
     def test_merged_model_loads_in_transformers_with_the_lora_logits(self, lora_model, tmp_path):
         hf_dir, lora, model = lora_model
-        target = _export(model, tmp_path, "merged", [lora])
+        target = _export(model, tmp_path, lora, "merged")
         assert not (target / ADAPTER_CONFIG).exists()
         merged = _load_base(target)
         ids = _ids(model.config.vocab_size)
@@ -99,15 +103,15 @@ class TestMergedExport:
 
     def test_merged_keys_are_the_base_model_keys(self, lora_model, tmp_path):
         hf_dir, lora, model = lora_model
-        target = _export(model, tmp_path, "merged", [lora])
+        target = _export(model, tmp_path, lora, "merged")
         index = json.loads((target / "model.safetensors.index.json").read_text())["weight_map"]
         with CheckpointReader(hf_dir) as base:
             assert set(index) == set(base.keys())
 
     def test_without_adapters_there_is_nothing_to_merge(self, tiny_hf_dir, tmp_path):
-        model = _xtl_lora(tiny_hf_dir("qwen3"), None)
+        model = _xtl_lora(tiny_hf_dir("qwen3"))
         assert merge_lora_transform(model) is None
-        target = _export(model, tmp_path, "adapter")  # `lora` has no effect: a plain HF directory
+        target = _export(model, tmp_path, None)  # no LoRA callback: a plain HF directory
         assert (target / "config.json").is_file() and not (target / ADAPTER_CONFIG).exists()
 
 
@@ -120,19 +124,30 @@ class TestQLoRAExport:
         )  # fmt: skip
         torch.manual_seed(0)
         Qwen3ForCausalLM(config).save_pretrained(tmp_path / "base")
-        lora = LoRA(rank=4, alpha=8, quantize_base="nf4")
-        model = _xtl_lora(tmp_path / "base", lora)
+        lora = LoRA(rank=4, alpha=8)
+        model = _xtl_lora(tmp_path / "base", lora, QLoRA())
         assert type(model.layers[0].self_attn.q_proj.weight).__name__ == "NF4Tensor"
         _randomize_adapters(model)
-        target = _export(model, tmp_path / "out", "merged", [lora])  # NF4 weights dequantized, adapters merged
+        target = _export(model, tmp_path / "out", lora, "merged")  # NF4 weights dequantized, adapters merged
         ids = _ids(config.vocab_size)
         torch.testing.assert_close(_hf_logits(_load_base(target), ids), _xtl_logits(model, ids), rtol=0, atol=ATOL)
+
+
+class TestExportOwner:
+    def test_two_transforms_that_write_the_export_are_refused(self, lora_model, tmp_path):
+        _, lora, model = lora_model
+        with pytest.raises(ConfigError, match="LoRA, LoRA each write the HF export their own way; keep one of them"):
+            _export(model, tmp_path, lora, "merged", others=(LoRA(),))
+
+    def test_an_unknown_export_is_refused(self):
+        with pytest.raises(ConfigError, match=r"LoRA.export must be one of \('merged', 'adapter', 'both'\)"):
+            LoRA(export="peft")
 
 
 class TestAdapterExport:
     def test_peft_loads_the_adapter_with_the_lora_logits(self, lora_model, tmp_path):
         hf_dir, lora, model = lora_model
-        target = _export(model, tmp_path, "adapter", [lora])
+        target = _export(model, tmp_path, lora, "adapter")
         assert sorted(p.name for p in target.iterdir()) == [ADAPTER_CONFIG, ADAPTER_WEIGHTS]
         config = json.loads((target / ADAPTER_CONFIG).read_text())
         assert config["base_model_name_or_path"] == str(hf_dir) and config["revision"] is None
@@ -149,7 +164,7 @@ class TestAdapterExport:
 
     def test_both_writes_the_merged_model_and_the_adapter_beside_it(self, lora_model, tmp_path):
         hf_dir, lora, model = lora_model
-        target = _export(model, tmp_path, "both", [lora])
+        target = _export(model, tmp_path, lora, "both")
         assert (target / "config.json").is_file() and (target / "adapter" / ADAPTER_WEIGHTS).is_file()
         ids = _ids(model.config.vocab_size)
         expected = _xtl_logits(model, ids)
@@ -162,7 +177,7 @@ class TestAdapterExport:
         lora = LoRA(rank=2, alpha=4, target_modules=["layers.0.self_attn.q_proj", "down_proj"], use_rslora=True)
         model = _xtl_lora(hf_dir, lora)
         _randomize_adapters(model)
-        target = _export(model, tmp_path, "adapter")  # no LoRA callback: the config comes from the layers
+        target = _export(model, tmp_path, lora, "adapter")
         config = json.loads((target / ADAPTER_CONFIG).read_text())
         assert config["target_modules"] == [
             "model.layers.0.mlp.down_proj",
@@ -251,11 +266,11 @@ class TestCLI:
         )  # fmt: skip
         torch.manual_seed(0)
         Qwen3ForCausalLM(config).save_pretrained(tmp_path / "base")
-        fragment = tmp_path / "hf_export.yaml"
-        fragment.write_text((ROOT / "callbacks/hf_export.yaml").read_text().replace("lora: merged", "lora: adapter"))
+        fragment = tmp_path / "lora.yaml"
+        fragment.write_text((ROOT / "callbacks/lora.yaml").read_text().replace("export: merged", "export: adapter"))
         args = [
-            "fit", "--config", str(ROOT / "configs/tiny_sft.yaml"), "--config", str(ROOT / "callbacks/lora.yaml"),
-            "--config", str(fragment), "--model.init_args.model", str(tmp_path / "base"),
+            "fit", "--config", str(ROOT / "configs/tiny_sft.yaml"), "--config", str(fragment),
+            "--config", str(ROOT / "callbacks/hf_export.yaml"), "--model.init_args.model", str(tmp_path / "base"),
             "--trainer.enable_progress_bar", "false", "--data.cache_dir", str(data_cache),
             "--data.pack_max_length", "128", "--trainer.max_steps", "2", "--trainer.default_root_dir", "run",
         ]  # fmt: skip
@@ -287,7 +302,7 @@ def _fsdp_worker(rank: int, world: int, port: int, hf_dir: str, out: str) -> Non
     lora = LoRA(rank=4, alpha=8)
     model = sharded(lora)
     _randomize_adapters(model)
-    target = _export(model, Path(out), "both", [lora])
+    target = _export(model, Path(out), lora, "both")
     reloaded = sharded(LoRA(adapter_path=str(target / "adapter")))
     factors = {name: t.full_tensor() for name, t in reloaded.adapter_tensors().items()}
     if rank == 0:
@@ -310,7 +325,7 @@ class TestFSDP:
         lora = LoRA(rank=4, alpha=8)
         model = _xtl_lora(hf_dir, lora)
         _randomize_adapters(model)
-        _export(model, plain_out, "both", [lora])
+        _export(model, plain_out, lora, "both")
         for name in ("model-00001-of-00001.safetensors", f"adapter/{ADAPTER_WEIGHTS}"):
             assert filecmp.cmp(sharded_out / "final" / name, plain_out / "final" / name, shallow=False), name
         reloaded = torch.load(sharded_out / "reloaded.pt")

@@ -245,24 +245,22 @@ class TestQLoRAModel:
 class TestQLoRAOptions:
     def test_unknown_formats_are_refused(self):
         with pytest.raises(ConfigError, match="quantize_base"):
-            LoRA(quantize_base="int4")
-        with pytest.raises(ConfigError, match="quantize_base"):
             QLoRA(quantize_base="fp4")
 
-    def test_lora_quantize_base_quantizes_after_the_weights(self):
-        lora = LoRA(rank=2, quantize_base="nf4")
-        model = build(DENSE128, [lora])
+    def test_the_qlora_callback_quantizes_after_the_weights(self):
+        qlora = QLoRA()
+        model = build(DENSE128, [LoRA(rank=2), qlora])  # transform_model leaves the meta model alone
         assert not any(is_nf4(p) for p in model.parameters())
-        lora.after_weights(model)
+        qlora.after_weights(model)
         assert is_nf4(model.get_submodule("layers.0.mlp.down_proj").weight)
 
-    def test_the_qlora_callback_needs_one_plain_lora_and_one_device(self):
+    def test_the_qlora_callback_needs_one_lora_and_one_device(self):
         single = SimpleNamespace(parallelizer=SingleDevice())  # the module's view of its strategy
         with pytest.raises(ConfigError, match="needs one LoRA callback, it has 0"):
             QLoRA().setup(SimpleNamespace(callbacks=[]), single, "fit")
-        both = [LoRA(quantize_base="nf4"), QLoRA()]
-        with pytest.raises(ConfigError, match="set already"):
-            both[1].setup(SimpleNamespace(callbacks=both), single, "fit")
+        two = [LoRA(), LoRA(), QLoRA()]
+        with pytest.raises(ConfigError, match="needs one LoRA callback, it has 2"):
+            two[2].setup(SimpleNamespace(callbacks=two), single, "fit")
         plain = [LoRA(), QLoRA()]
         plain[1].setup(SimpleNamespace(callbacks=plain), single, "fit")
         fsdp, sharded = (
@@ -271,8 +269,10 @@ class TestQLoRAOptions:
         )
         with pytest.raises(ConfigError, match="single-device"):
             plain[1].setup(fsdp, sharded, "fit")
-        with pytest.raises(ConfigError, match="single-device"):
-            LoRA(quantize_base="nf4").setup(fsdp, sharded, "fit")
+
+    def test_lora_has_no_quantize_base_of_its_own(self):
+        with pytest.raises(TypeError, match="quantize_base"):
+            LoRA(quantize_base="nf4")
 
 
 def _losses(run_dir: Path) -> dict[int, str]:

@@ -90,7 +90,7 @@ class TestConfigsParse:
 
     def test_a_moved_flat_key_names_its_new_key(self, tmp_path, capsys):
         old = tmp_path / "old.yaml"
-        old.write_text("model:\n  class_path: xtl.train.CausalLM\n  init_args:\n    warmup_steps: 10\n")
+        old.write_text("model:\n  class_path: xtl.train.LanguageModule\n  init_args:\n    warmup_steps: 10\n")
         args = ["fit", "--config", str(ROOT / "configs/tiny_sft.yaml"), "--config", str(old), "--print_config"]
         assert _run_main(args) == 2
         err = capsys.readouterr().err
@@ -98,6 +98,49 @@ class TestConfigsParse:
         assert str(old) in err
         assert _run_main(["fit", "--config", str(ROOT / "configs/tiny_sft.yaml"), "--model.init_args.lr=0.1"]) == 2
         assert "--model.init_args.lr has moved to --model.init_args.optimizer.lr" in capsys.readouterr().err
+
+    @pytest.mark.parametrize(
+        ("yaml_text", "says"),
+        [
+            (
+                "model:\n  class_path: xtl.train.MoECausalLM\n",
+                "model.class_path xtl.train.MoECausalLM: one xtl.train.LanguageModule trains every model family; "
+                "write model.class_path: xtl.train.LanguageModule, with balance_loss_coef",
+            ),
+            (
+                "model:\n  class_path: xtl.train.LanguageModule\n  init_args:\n    z_loss_coef: 0.1\n",
+                "model.init_args.z_loss_coef has moved to model.init_args.routing.z_loss_coef",
+            ),
+            (
+                "model:\n  init_args:\n    freeze_vision: true\n",
+                "model.init_args.freeze_vision has moved to model.init_args.freeze (a list of parts: "
+                "freeze: [vision])",
+            ),
+            (
+                "trainer:\n  callbacks+:\n    - class_path: xtl.callbacks.LoRA\n"
+                "      init_args: {quantize_base: nf4}\n",
+                "LoRA.init_args.quantize_base has moved: QLoRA is its own callback: drop quantize_base and add "
+                "--config callbacks/qlora.yaml",
+            ),
+            (
+                "trainer:\n  callbacks:\n    - class_path: xtl.callbacks.HFExport\n      init_args: {lora: adapter}\n",
+                "HFExport.init_args.lora has moved: what a LoRA model exports is the LoRA callback's export",
+            ),
+        ],
+    )
+    def test_a_recipe_of_an_earlier_release_says_what_to_write(self, tmp_path, capsys, yaml_text, says):
+        old = tmp_path / "old.yaml"
+        old.write_text(yaml_text)
+        assert _run_main(["fit", "--config", str(ROOT / "configs/tiny_sft.yaml"), "--config", str(old)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"xtl: error: {old}: ") and says in err
+
+    def test_a_folded_module_on_the_command_line(self, capsys):
+        args = ["fit", "--config", str(ROOT / "configs/tiny_sft.yaml"), "--model.class_path", "xtl.train.VisionLM"]
+        assert _run_main(args) == 2
+        assert "freeze_<part>: true as model.init_args.freeze: [<part>]" in capsys.readouterr().err
+        with pytest.raises(ImportError, match="one xtl.train.LanguageModule trains every model family"):
+            from xtl.train import CausalLM  # noqa: F401
 
     def test_optimizer_is_chosen_by_class_path(self, tmp_path, capsys):
         args = [
@@ -111,6 +154,26 @@ class TestConfigsParse:
         assert _run_main(args) == 0
         out = capsys.readouterr().out
         assert "class_path: xtl.train.AdamWConfig" in out and "lr: 0.25" in out
+
+    def test_any_torch_optimizer_by_class_path(self, tmp_path, capsys):
+        optimizer = {
+            "class_path": "xtl.train.TorchOptimizer",
+            "init_args": {"name": "SGD", "kwargs": {"momentum": 0.9}},
+        }
+        args = [
+            "fit",
+            "--config",
+            str(ROOT / "configs/tiny_sft.yaml"),
+            "--model.init_args.optimizer",
+            json.dumps(optimizer),
+        ]
+        assert _run_main([*args, "--print_config"]) == 0
+        out = capsys.readouterr().out
+        assert "class_path: xtl.train.TorchOptimizer" in out and "name: SGD" in out and "momentum: 0.9" in out
+        optimizer["init_args"]["kwargs"] = {"momentun": 0.9}
+        args[-1] = json.dumps(optimizer)
+        assert _run_main([*args, "--trainer.default_root_dir", str(tmp_path)]) == 2  # refused when instantiated
+        assert "SGD takes no argument 'momentun' (did you mean 'momentum'?)" in capsys.readouterr().err
 
     def test_help_examples_of_the_tools_run(self, capsys):
         examples = [line.split()[1:] for line in xtl.command.__doc__.splitlines() if line.strip().startswith("xtl ")]

@@ -90,20 +90,15 @@ class TestBadConfig:
         code, err = self._fit(tmp_path, capsys, "--model.init_args.optimizer.lr", "fast")
         _assert_short(code, err, '"lr"', "Expected a <class 'float'>. Got value: fast")
 
-    @pytest.mark.parametrize(
-        ("recipe", "class_path", "use"),
-        [
-            ("tiny_moe_sft.yaml", "xtl.train.CausalLM", "xtl.train.MoECausalLM"),
-            ("tiny_sft.yaml", "xtl.train.MoECausalLM", "xtl.train.CausalLM"),
-            ("tiny_vlm_sft.yaml", "xtl.train.CausalLM", "xtl.train.VisionLM"),
-            ("tiny_vlm_sft.yaml", "xtl.train.VisionMoELM", "xtl.train.VisionLM"),
-            ("tiny_sft.yaml", "xtl.train.VisionLM", "xtl.train.CausalLM"),
-        ],
-    )
-    def test_a_family_with_the_wrong_module_is_refused(self, recipe, class_path, use, capsys):
-        """An MoE model under the dense module would train without router losses and bias updates."""
-        code, err = _run(["fit", "--config", str(ROOT / "configs" / recipe), "--model.class_path", class_path], capsys)
-        _assert_short(code, err, f"model.class_path {class_path} does not train", f"use model.class_path: {use}")
+    def test_family_settings_the_model_does_not_have_are_refused(self, tmp_path, capsys):
+        """Router settings on a dense model would be ignored silently."""
+        run = ["fit", "--config", str(ROOT / "configs/tiny_sft.yaml"), "--trainer.default_root_dir", str(tmp_path)]
+        code, err = _run([*run, "--model.init_args.routing.z_loss_coef", "0.1"], capsys)
+        _assert_short(code, err, "model.init_args.routing: qwen3 has no routed experts", "remove routing")
+        code, err = _run([*run, "--model.init_args.freeze", "[vision]"], capsys)
+        _assert_short(
+            code, err, "model.init_args.freeze: a dense model has no part 'vision'", "its parts are language"
+        )
 
     def test_a_command_line_typo_gets_a_suggestion(self, tmp_path, capsys):
         code, err = self._fit(tmp_path, capsys, "--trainer.max_stpes=5")

@@ -37,7 +37,6 @@ class Family:
     Attributes:
         name: Matrix label.
         recipe: The tiny recipe under ``configs/`` the cell starts from.
-        module: ``model.class_path``.
         model: ``model.init_args.model`` (replaces the recipe's).
         moe: Has routed experts (gets the expert-parallel strategy).
         what: Description for the docs.
@@ -45,18 +44,16 @@ class Family:
 
     name: str
     recipe: str
-    module: str
     model: dict
     moe: bool
     what: str
 
 
 FAMILIES = (
-    Family("dense", "tiny_sft.yaml", "xtl.train.CausalLM", {"model_type": "qwen3", **_TEXT}, False, "Qwen3"),
+    Family("dense", "tiny_sft.yaml", {"model_type": "qwen3", **_TEXT}, False, "Qwen3"),
     Family(
         "moe",
         "tiny_moe_sft.yaml",
-        "xtl.train.MoECausalLM",
         {"model_type": "qwen3_moe", **_TEXT, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16},
         True,
         "Qwen3-MoE",
@@ -64,7 +61,6 @@ FAMILIES = (
     Family(
         "mla",
         "tiny_moe_sft.yaml",
-        "xtl.train.MoECausalLM",
         {
             "model_type": "deepseek_v3",
             **_TEXT,
@@ -88,7 +84,6 @@ FAMILIES = (
     Family(
         "sinks",
         "tiny_moe_sft.yaml",
-        "xtl.train.MoECausalLM",
         {"model_type": "gpt_oss", **_TEXT, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 4},
         True,
         "GPT-OSS: attention sinks, sliding window",
@@ -96,7 +91,6 @@ FAMILIES = (
     Family(
         "vlm",
         "tiny_vlm_sft.yaml",
-        "xtl.train.VisionLM",
         {
             "model_type": "qwen3_vl",
             "tie_word_embeddings": True,
@@ -110,7 +104,6 @@ FAMILIES = (
     Family(
         "vlm_moe",
         "tiny_vlm_sft.yaml",
-        "xtl.train.VisionMoELM",
         {
             "model_type": "qwen3_vl_moe",
             "tie_word_embeddings": True,
@@ -253,7 +246,7 @@ class Cell:
             + "  callbacks: []\n  val_check_interval: null\n  enable_progress_bar: false\n"
             + f"  max_steps: {STEPS}\n  default_root_dir: {run_dir}\n"
             + "data:\n  val_sources: null\n  test_sources: null\n  predict_source: null\n  pack_max_length: 128\n"
-            + f"model:\n  class_path: {family.module}\n  init_args:\n    model: {_flow(family.model)}\n"
+            + f"model:\n  class_path: xtl.train.LanguageModule\n  init_args:\n    model: {_flow(family.model)}\n"
         )
         configs = ["--config", str(ROOT / "configs" / family.recipe), "--config", str(base)]
         for name in feature.fragments:

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # The overrides that make the EP run and the single-process run compute the same thing (docs/configs.md): the
 # router losses are normalized per micro-batch over the data-parallel ranks, so they differ between 2 ranks x 2
 # micro-batches and 1 rank x 4 micro-batches; with their coefficients at 0 both runs optimize the same objective.
-COMPARABLE = ["--model.init_args.balance_loss_coef", "0", "--model.init_args.z_loss_coef", "0"]
+COMPARABLE = ["--model.init_args.routing.balance_loss_coef", "0", "--model.init_args.routing.z_loss_coef", "0"]
 SMALL = [
     "--model.init_args.model.hidden_size", "64",
     "--model.init_args.model.moe_intermediate_size", "32",

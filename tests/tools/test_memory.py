@@ -760,13 +760,13 @@ class TestLoRA:
             capsys, "--config", recipe, "--lora-rank", "8", "--qlora", "--frozen-bytes", "4",
         )  # fmt: skip
         assert data["phases"] == options["phases"] and data["params"]["lora_adapters"] == 77_824
-        # quantize_base in the LoRA callback itself, and an FSDP recipe (fp32 parameters, trained or frozen)
-        inline = tmp_path / "qlora_inline.yaml"
+        # a LoRA callback of its own settings, and an FSDP recipe (fp32 parameters, trained or frozen)
+        inline = tmp_path / "lora_inline.yaml"
         inline.write_text(
             "trainer:\n  callbacks+:\n    - class_path: xtl.callbacks.LoRA\n"
-            "      init_args: {rank: 4, target_modules: [q_proj], quantize_base: nf4}\n"
+            "      init_args: {rank: 4, target_modules: [q_proj]}\n"
         )
-        s = memory.read_recipe([recipe, inline]).setup
+        s = memory.read_recipe([recipe, inline, qlora]).setup
         assert (s["lora_rank"], s["lora_targets"], s["qlora"]) == (4, ("q_proj",), True)
         fsdp = memory.read_recipe([str(ROOT / "configs/qwen3_8b_pretrain.yaml"), lora])
         assert fsdp.setup["frozen_bytes"] == 4 and "FSDPStrategy" in fsdp.read_from["frozen weights"]

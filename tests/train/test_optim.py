@@ -8,8 +8,10 @@ import math
 import pytest
 import torch
 
-from xtl.train import resolve_model_config
+from xtl.errors import ConfigError
+from xtl.train import TorchOptimizer, resolve_model_config
 from xtl.train.optim import AdamWConfig, OptimizerConfig, ScheduleConfig, lr_lambda, param_groups
+from xtl.train.step import optimizer_step_unless_nonfinite
 
 from .conftest import TINY_MODEL
 
@@ -75,3 +77,48 @@ class TestOptimizerConfig:
         config, _ = resolve_model_config(TINY_MODEL)
         opt = SGDConfig(lr=0.5).build(config.build(), torch.device("cpu"))
         assert isinstance(opt, torch.optim.SGD) and opt.defaults["momentum"] == 0.9
+
+
+class TestTorchOptimizer:
+    def _model(self):
+        config, _ = resolve_model_config(TINY_MODEL)
+        return config.build()
+
+    def test_any_torch_optimizer_by_name_or_class_path(self):
+        opt = TorchOptimizer(name="SGD", lr=0.5, weight_decay=0.01, kwargs={"momentum": 0.8}).build(
+            self._model(), torch.device("cpu")
+        )
+        assert type(opt) is torch.optim.SGD and opt.defaults["momentum"] == 0.8
+        assert [g["weight_decay"] for g in opt.param_groups] == [0.01, 0.0]
+        opt = TorchOptimizer(name="torch.optim.Adagrad", lr=0.1, kwargs={"lr_decay": 0.5}).build(
+            self._model(), torch.device("cpu")
+        )
+        assert type(opt) is torch.optim.Adagrad and opt.defaults["lr_decay"] == 0.5
+
+    def test_an_optimizer_without_weight_decay_gets_no_decay_key(self):
+        opt = TorchOptimizer(name="Rprop", lr=0.1, weight_decay=0.0).build(self._model(), torch.device("cpu"))
+        assert all("weight_decay" not in g for g in opt.param_groups) and type(opt) is torch.optim.Rprop
+        with pytest.raises(ConfigError, match="Rprop has no weight decay; set it to 0"):
+            TorchOptimizer(name="Rprop", weight_decay=0.1)
+
+    def test_bad_names_and_arguments_are_refused(self):
+        with pytest.raises(ConfigError, match=r"'torch.optim.AdamX' is not an importable optimizer class.*AdamW"):
+            TorchOptimizer(name="torch.optim.AdamX")
+        with pytest.raises(ConfigError, match="is not a torch.optim.Optimizer subclass"):
+            TorchOptimizer(name="torch.nn.Linear")
+        with pytest.raises(ConfigError, match=r"kwargs.momentom: SGD takes no argument 'momentom' \(did you mean"):
+            TorchOptimizer(name="SGD", kwargs={"momentom": 0.9})
+        with pytest.raises(ConfigError, match="set optimizer.lr instead"):
+            TorchOptimizer(name="SGD", kwargs={"lr": 0.9})
+
+    def test_a_fused_optimizer_skips_a_nonfinite_step_on_the_device(self):
+        model = self._model()
+        opt = TorchOptimizer(name="SGD", lr=0.5, kwargs={"fused": True}).build(model, torch.device("cpu"))
+        for param in model.parameters():
+            param.grad = torch.ones_like(param)
+        before = [p.detach().clone() for p in model.parameters()]
+        found_inf = optimizer_step_unless_nonfinite(opt, torch.tensor(float("inf")))
+        assert found_inf.item() == 1.0 and opt.found_inf is not None  # the fused found-inf path was taken
+        assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
+        optimizer_step_unless_nonfinite(opt, torch.tensor(1.0))
+        assert not all(torch.equal(b, p) for b, p in zip(before, model.parameters()))

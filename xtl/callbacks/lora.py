@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import fnmatch
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_info
@@ -16,15 +16,20 @@ from xtl.model.hf.peft_adapter import (
     ADAPTER_CONFIG,
     hf_module_path,
     load_peft_adapter,
+    merge_lora_transform,
+    peft_module_paths,
     peft_target_matches,
+    peft_target_modules,
     read_adapter_config,
+    save_peft_adapter,
 )
 from xtl.module.lora import LORA_INITS, add_lora, lora_layers
-from xtl.module.nf4 import QUANTIZE_BASE, quantize_base_weights
-from xtl.strategies.parallelize import ModelTransform, TransformStage
+from xtl.strategies.parallelize import HFExportRequest, ModelTransform, TransformStage
 from xtl.utils import resolve_path
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LoraExport = Literal["merged", "adapter", "both"]
+LORA_EXPORTS: tuple[str, ...] = ("merged", "adapter", "both")
 
 
 class LoRA(pl.Callback, ModelTransform):
@@ -35,8 +40,8 @@ class LoRA(pl.Callback, ModelTransform):
     (:mod:`xtl.module.lora`). Base parameter names do not change, so HF weights load as before; the adapters
     initialize themselves after the load (``B = 0``: the first forward equals the base model's). Only the adapters
     get gradients, optimizer state and weight decay; Lightning checkpoints keep only trainable parameters (the
-    frozen ones come back from the model source on resume). The number of trainable parameters is printed at
-    the start of the fit.
+    frozen ones come back from the model source on resume: :meth:`skipped_checkpoint_keys`). The number of
+    trainable parameters is printed at the start of the fit.
 
     With the default targets a dense model adapts attention (q/k/v/o) and MLP projections; an MoE model adapts
     attention, dense MLPs and shared experts (grouped routed experts are not ``nn.Linear`` and stay frozen).
@@ -47,11 +52,15 @@ class LoRA(pl.Callback, ModelTransform):
     loaded into the adapters once the model's weights are loaded (:meth:`after_weights`). Settings xtl cannot
     reproduce (DoRA, biases, ``modules_to_save``, per-module ranks, ...) are refused with the file and key named.
 
-    QLoRA (``quantize_base: nf4``): once the weights are loaded (:meth:`after_weights`), the frozen base weights of
-    the adapted layers are stored in 4-bit NF4 (:mod:`xtl.module.nf4`, torchao's ``NF4Tensor``, about 4.13 bits per
-    weight) and dequantized to the compute dtype in each matmul; the adapters keep the parameter dtype. Layers
-    whose weight NF4 cannot store (element count not a multiple of 16384) stay in their dtype, with a note. Single
-    device only for now (a sharded strategy is refused).
+    An HF export (:class:`~xtl.callbacks.HFExport`) of the adapted model is written as ``export`` says
+    (:meth:`export_hf`): ``merged`` writes the HF model with each adapted weight replaced by
+    ``W + scaling * B @ A`` (fp32 math, then the export dtype); ``adapter`` writes a PEFT adapter directory instead
+    (``adapter_config.json`` + ``adapter_model.safetensors``, loadable with ``peft.PeftModel.from_pretrained`` on
+    the base model; the factors keep their parameter dtype unless the export sets one); ``both`` writes the merged
+    model with the adapter in its ``adapter`` subdirectory.
+
+    QLoRA (frozen base weights in 4-bit NF4) is the :class:`~xtl.callbacks.QLoRA` callback beside this one
+    (``callbacks/qlora.yaml``).
 
     Args:
         rank: Adapter rank ``r``.
@@ -62,9 +71,7 @@ class LoRA(pl.Callback, ModelTransform):
         use_rslora: Rank-stabilized scaling ``alpha / sqrt(r)``.
         init: ``kaiming`` (PEFT's default) or ``gaussian`` initialization of ``lora_A``; ``lora_B`` starts at zero.
         adapter_path: A PEFT LoRA adapter directory to continue from (overrides the settings above).
-        quantize_base: ``nf4`` stores the frozen base weights in NF4 (QLoRA); ``None`` keeps their dtype.
-        quantize_all_linear: With ``quantize_base``, quantize every frozen linear layer except the LM head, not
-            only the adapted ones.
+        export: What an HF export writes: ``merged``, ``adapter`` or ``both`` (see above).
 
     Raises:
         ConfigError: A setting is out of range, or ``adapter_path``'s config is missing or unsupported.
@@ -81,8 +88,7 @@ class LoRA(pl.Callback, ModelTransform):
         use_rslora: bool = False,
         init: str = "kaiming",
         adapter_path: str | None = None,
-        quantize_base: str | None = None,
-        quantize_all_linear: bool = False,
+        export: LoraExport = "merged",
     ) -> None:
         if rank < 1:
             raise ConfigError(f"LoRA.rank must be >= 1, got {rank}")
@@ -90,8 +96,8 @@ class LoRA(pl.Callback, ModelTransform):
             raise ConfigError(f"LoRA.dropout must be in [0, 1), got {dropout}")
         if init not in LORA_INITS:
             raise ConfigError(f"LoRA.init must be one of {LORA_INITS}, got {init!r}")
-        if quantize_base is not None and quantize_base not in QUANTIZE_BASE:
-            raise ConfigError(f"LoRA.quantize_base must be null or one of {QUANTIZE_BASE}, got {quantize_base!r}")
+        if export not in LORA_EXPORTS:
+            raise ConfigError(f"LoRA.export must be one of {LORA_EXPORTS}, got {export!r}")
         self.rank = rank
         self.alpha = alpha
         self.dropout = dropout
@@ -99,8 +105,7 @@ class LoRA(pl.Callback, ModelTransform):
         self.use_rslora = use_rslora
         self.init = init
         self.adapter_path = adapter_path
-        self.quantize_base = quantize_base
-        self.quantize_all_linear = quantize_all_linear
+        self.export = export
         self._peft_targets: list[str] | str | None = None  # target_modules of the adapter's config (PEFT's rule)
         if adapter_path is not None:
             self._use_adapter_config(Path(resolve_path(adapter_path)))
@@ -128,22 +133,29 @@ class LoRA(pl.Callback, ModelTransform):
         return any(fnmatch.fnmatchcase(name, p) or fnmatch.fnmatchcase(last, p) for p in self.target_modules)
 
     def after_weights(self, model: BaseModel) -> BaseModel:
-        """Load ``adapter_path``'s factors into the adapters (initialized with the weights, overwritten here); with
-        ``quantize_base``, store the frozen base weights in NF4 (:func:`xtl.module.nf4.quantize_base_weights`)."""
+        """Load ``adapter_path``'s factors into the adapters (initialized with the weights, overwritten here)."""
         if self.adapter_path is not None:
             load_peft_adapter(model, self._config_file.parent)
             rank_zero_info(f"LoRA: loaded adapter {self._config_file.parent}")
-        if self.quantize_base is not None:
-            rank_zero_info(quantize_base_weights(model, self.quantize_all_linear))
         return model
 
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """Refuse QLoRA under a sharded strategy before any weight is loaded."""
-        if self.quantize_base is not None and pl_module.parallelizer.shards_parameters:
-            raise ConfigError(
-                f"LoRA.quantize_base {self.quantize_base} (QLoRA) is single-device for now: drop quantize_base under "
-                f"{type(trainer.strategy).__name__}, or train on one device"
-            )
+    def skipped_checkpoint_keys(self, model: BaseModel) -> set[str]:
+        """The frozen parameters (every name of a tied one): the model source rebuilds them on resume."""
+        params = model.named_parameters(remove_duplicate=False)
+        return {name for name, param in params if not param.requires_grad}
+
+    def export_hf(self, model: BaseModel, request: HFExportRequest) -> list[Path]:
+        """Write the merged model, the PEFT adapter or both (``export``) for ``request.target``."""
+        written = []
+        if self.export in ("merged", "both"):
+            request.write_model(request.target, merge_lora_transform(model))
+            written.append(request.target)
+        if self.export in ("adapter", "both"):
+            adapter_dir = request.target / "adapter" if self.export == "both" else request.target
+            config = self.adapter_config(peft_target_modules(model, peft_module_paths(model)))
+            save_peft_adapter(model, adapter_dir, config, source_dir=model.source_dir, dtype=request.dtype)
+            written.append(adapter_dir)
+        return written
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Print how many parameters train."""

@@ -15,10 +15,12 @@ from xtl.strategies.parallelize import ModelTransform, TransformStage
 class QLoRA(pl.Callback, ModelTransform):
     """Store the frozen base weights of the LoRA-adapted layers in NF4 once they are loaded (QLoRA).
 
-    The same as ``LoRA(quantize_base=...)``, as a callback of its own so that ``callbacks/qlora.yaml`` composes
-    with ``callbacks/lora.yaml`` (a config fragment appends callbacks; it cannot edit the LoRA entry another
-    fragment added). The run needs exactly one :class:`~xtl.callbacks.LoRA` callback, without ``quantize_base``.
-    See :mod:`xtl.module.nf4`.
+    Once the weights are loaded (:meth:`after_weights`), the frozen base weights of the adapted layers are stored in
+    4-bit NF4 (:mod:`xtl.module.nf4`, torchao's ``NF4Tensor``, about 4.13 bits per weight) and dequantized to the
+    compute dtype in each matmul; the adapters keep the parameter dtype. Layers whose weight NF4 cannot store
+    (element count not a multiple of 16384) stay in their dtype, with a note. A callback of its own, so that
+    ``callbacks/qlora.yaml`` composes with ``callbacks/lora.yaml``; the run needs exactly one
+    :class:`~xtl.callbacks.LoRA` callback. Single device only for now (a sharded strategy is refused).
 
     Args:
         quantize_base: The 4-bit format: ``nf4``.
@@ -41,8 +43,6 @@ class QLoRA(pl.Callback, ModelTransform):
                 f"QLoRA quantizes the base weights of LoRA adapters: the run needs one LoRA callback, it has "
                 f"{len(loras)} (add --config callbacks/lora.yaml before callbacks/qlora.yaml)"
             )
-        if loras[0].quantize_base is not None:
-            raise ConfigError("LoRA.quantize_base is set already: drop the QLoRA callback (callbacks/qlora.yaml)")
         if pl_module.parallelizer.shards_parameters:
             raise ConfigError(
                 f"QLoRA is single-device for now: drop callbacks/qlora.yaml under {type(trainer.strategy).__name__}, "

@@ -250,6 +250,44 @@ class BaseModel(nn.Module):
         """
         return [block for stack in self.layer_stacks().values() for block in stack]
 
+    def parameter_parts(self) -> dict[str, list[nn.Module]]:
+        """The model's parts by name, each as the modules holding its parameters (every parameter in exactly one).
+
+        A text model is one part, ``"language"``; a vision-language model adds ``"vision"`` (the tower) and
+        ``"merger"``. Freezing (``model.init_args.freeze``) and per-part learning rates (``optimizer.lr_scales``)
+        name these parts.
+        """
+        return {"language": [self]}
+
+    def parameter_part_of(self) -> dict[int, str]:
+        """``id(parameter) -> part name`` for every parameter (see :meth:`parameter_parts`)."""
+        return {
+            id(param): part
+            for part, modules in self.parameter_parts().items()
+            for module in modules
+            for param in module.parameters()
+        }
+
+    @torch.no_grad()
+    def update_router_bias(self, tokens_per_expert: torch.Tensor, lr: float | torch.Tensor) -> None:
+        """Aux-loss-free balancing: move each router's correction bias towards balance (after an optimizer step).
+
+        Routers without a correction bias are left alone (:meth:`~xtl.module.MoEBlock.update_router_bias`).
+
+        Args:
+            tokens_per_expert: ``(L, E)`` loads of the step, one row per block of :meth:`moe_blocks` (the
+                ``extras["tokens_per_expert"]`` of the micro-batches, summed and all-reduced over data ranks).
+            lr: Bias update speed (a tensor too: 0 on a skipped step, without reading it on the host).
+
+        Raises:
+            ValueError: The loads do not have one row per MoE block.
+        """
+        blocks = self.moe_blocks()
+        if tokens_per_expert.shape[0] != len(blocks):
+            raise ValueError(f"tokens_per_expert has {tokens_per_expert.shape[0]} rows for {len(blocks)} MoE layers")
+        for block, loads in zip(blocks, tokens_per_expert):
+            block.update_router_bias(loads, lr)
+
     @property
     def source_dir(self) -> Path | None:
         """The HF directory the weights were loaded from (``None``: initialized)."""

@@ -41,6 +41,10 @@ class MoEBlock(nn.Module):
         """Routed experts of the layer (on all ranks together)."""
         return self.gate.num_experts
 
+    def update_router_bias(self, tokens_per_expert: torch.Tensor, lr: float | torch.Tensor) -> None:
+        """The router's aux-loss-free bias step from this layer's ``(E,)`` loads (no-op without a correction bias)."""
+        self.gate.update_bias(tokens_per_expert, lr)
+
     def use_dispatcher(self, dispatcher: MoEDispatcher) -> None:
         """Move tokens to the experts with ``dispatcher`` (expert parallelism installs an all-to-all one)."""
         self.dispatcher = dispatcher

@@ -213,8 +213,8 @@ def _refuse_sharded(weight: torch.Tensor) -> None:
 
     if isinstance(weight, DTensor):
         raise ConfigError(
-            "QLoRA (LoRA.quantize_base: nf4) does not support sharded (FSDP) weights yet: train QLoRA on one device "
-            "or drop quantize_base"
+            "QLoRA (callbacks/qlora.yaml) does not support sharded (FSDP) weights yet: train QLoRA on one device "
+            "or drop the QLoRA callback"
         )
 
 

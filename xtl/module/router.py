@@ -70,6 +70,9 @@ class Router(nn.Module):
         """Gate logits through :func:`xtl.ops.get_router_logits_fn` (fp32, or the model dtype as transformers)."""
         return get_router_logits_fn()(hidden_states, self.weight, self.bias)
 
+    def update_bias(self, tokens_per_expert: torch.Tensor, lr: float | torch.Tensor) -> None:  # noqa: B027
+        """Aux-loss-free balancing step (routers with a correction bias; default: nothing to update)."""
+
 
 class SoftmaxTopKRouter(Router):
     """Softmax over all experts, top-k, optionally renormalized to sum to 1 (Qwen3-MoE, Mixtral).

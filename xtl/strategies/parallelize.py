@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import warnings
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from enum import IntEnum
 from pathlib import Path
@@ -65,6 +65,47 @@ class ModelTransform(ABC):
         """Called once the weights are loaded or initialized and the dtype set (e.g. to quantize frozen weights);
         returns the model (default: unchanged)."""
         return model
+
+    def skipped_checkpoint_keys(self, model: BaseModel) -> set[str]:
+        """Keys of ``model.state_dict()`` that training checkpoints leave out because the model source rebuilds
+        them on resume (e.g. LoRA's frozen base weights); default: none."""
+        return set()
+
+    def export_hf(self, model: BaseModel, request: HFExportRequest) -> list[Path] | None:
+        """Write an HF export the transform changes (e.g. LoRA: merged weights or a PEFT adapter).
+
+        Called on every rank by :class:`~xtl.callbacks.HFExport`; at most one transform of a run may write it.
+
+        Returns:
+            The directories written (the tokenizer is copied into each), or ``None`` when the transform leaves the
+            export to ``request.write_model(request.target, None)`` (the default).
+        """
+        return None
+
+    def after_optimizer_step(self, model: BaseModel, applied: torch.Tensor) -> None:  # noqa: B027 - a no-op by default
+        """Called after every optimizer step (e.g. to refresh state derived from the weights).
+
+        Args:
+            model: The trained model.
+            applied: 1.0 when the update was applied, 0.0 when a non-finite gradient skipped it (a device tensor:
+                scale by it rather than branch on it, which would read it back on the host).
+        """
+
+
+@dataclass
+class HFExportRequest:
+    """An HF export being written, as :meth:`ModelTransform.export_hf` sees it.
+
+    Attributes:
+        target: The export directory.
+        dtype: Dtype of the exported tensors (``None``: the model's).
+        write_model: Writes the HF model (config, safetensors, token ids) into a directory, each tensor passed
+            through an optional ``(hf_key, tensor) -> tensor`` transform (every rank calls it; rank 0 writes).
+    """
+
+    target: Path
+    dtype: torch.dtype | None
+    write_model: Callable[[Path, Callable[[str, torch.Tensor], torch.Tensor] | None], None]
 
 
 @dataclass

@@ -366,7 +366,7 @@ def read_recipe(paths: Sequence[str | Path]) -> Recipe:
     ``param_dtype``), the sequence length (``data.pack_max_length``, one packed sequence per micro-batch),
     ``data.micro_batches_per_step``, recompute from the ``ActivationCheckpointing`` callback (``mode``,
     ``every_n_layers``; none without one), offload from the ``ActivationOffload`` callback (``every_n_layers``,
-    ``layers``), LoRA from the ``LoRA`` callback (``rank``, ``target_modules``, ``quantize_base``; an
+    ``layers``), LoRA from the ``LoRA`` callback (``rank``, ``target_modules``; an
     ``adapter_path``'s ``adapter_config.json`` as a run reads it) and the ``QLoRA`` callback, with the frozen
     weights in the dtype ``xtl fit`` stores them (FSDP: fp32; one device: ``model.init_args.param_dtype``), and the
     GPU memory the recipe targets from a ``# gpu-memory: 80GiB`` comment line (the last file stating one wins).
@@ -922,7 +922,7 @@ def _frozen_dtype_bytes(fsdp: bool, trainer: dict[str, Any], module: dict[str, A
 def _read_lora(
     callbacks: list[Any], setup: dict[str, Any], read_from: dict[str, str], frozen: tuple[int, str]
 ) -> None:
-    """LoRA settings from the ``LoRA`` callback (rank, targets, ``quantize_base``) and the ``QLoRA`` callback."""
+    """LoRA settings from the ``LoRA`` callback (rank, targets) and NF4 base weights from the ``QLoRA`` callback."""
     loras = _callbacks_of(callbacks, "LoRA")
     qloras = _callbacks_of(callbacks, "QLoRA", "xtl.callbacks.qlora")
     if len(loras) > 1 or len(qloras) > 1:
@@ -943,8 +943,8 @@ def _read_lora(
     except (ConfigError, TypeError) as exc:
         raise ToolInputError(f"trainer.callbacks LoRA: {short_message(exc)}") from None
     quantize = qloras[0] if qloras else {}
-    qlora = quantize.get("quantize_base", "nf4") if qloras else lora.quantize_base
-    all_linear = bool(quantize.get("quantize_all_linear", False) if qloras else lora.quantize_all_linear)
+    qlora = quantize.get("quantize_base", "nf4") if qloras else None
+    all_linear = bool(quantize.get("quantize_all_linear", False))
     setup.update(
         lora_rank=lora.rank,
         lora_targets=tuple(lora.target_modules),
@@ -953,9 +953,8 @@ def _read_lora(
         frozen_bytes=frozen[0],
     )
     read_from["lora"] = f"rank {lora.rank} on {', '.join(lora.target_modules)} (trainer.callbacks: LoRA)"
-    where = "trainer.callbacks: QLoRA" if qloras else "LoRA.quantize_base"
     scope = "every linear layer" if all_linear else "the adapted layers"
-    read_from["qlora"] = f"{qlora} for {scope} ({where})" if qlora else "off (no quantize_base, no QLoRA callback)"
+    read_from["qlora"] = f"{qlora} for {scope} (trainer.callbacks: QLoRA)" if qlora else "off (no QLoRA callback)"
     read_from["frozen weights"] = f"{frozen[0]}-byte ({frozen[1]})"
 
 

@@ -8,7 +8,7 @@ import sys
 import warnings
 from functools import partial
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -17,10 +17,12 @@ import torchmetrics
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
+from xtl.errors import ConfigError, did_you_mean
 from xtl.model import BaseModel, ModelOutput
 from xtl.strategies.parallelize import ModelTransform, ParallelizingStrategy, SingleDevice, WeightSource
+from xtl.train.family import DataRanks, RouterTraining, family_of, family_training
 from xtl.train.generation import GenerationConfig, chat_prompt_ids, generate, split_thinking
-from xtl.train.model_spec import check_module_for_family, resolve_model_config
+from xtl.train.model_spec import resolve_model_config
 from xtl.train.optim import AdamWConfig, OptimizerConfig, ScheduleConfig
 from xtl.train.step import (
     StepResult,
@@ -34,7 +36,7 @@ from xtl.utils import atomic_write_bytes
 
 
 class LanguageModule(pl.LightningModule):
-    """Trains an xtl model on step batches (``list[MicroBatch]``) from :class:`xtl.data.XTLDataModule`.
+    """Trains an xtl model of any family on step batches (``list[MicroBatch]``) from :class:`xtl.data.XTLDataModule`.
 
     Manual optimization: each ``training_step`` runs forward/backward on every micro-batch with the loss scaled by
     the global supervised-token count (all-reduced over data-parallel ranks), clips the gradient norm (DTensor
@@ -43,7 +45,12 @@ class LanguageModule(pl.LightningModule):
 
     ``configure_model`` builds the model on ``meta`` and hands it to the strategy's ordered ``parallelize``
     sequence (:mod:`xtl.strategies.parallelize`) together with the model transforms contributed by callbacks; a
-    trainer strategy that is not an xtl one gets the single-device sequence.
+    trainer strategy that is not an xtl one gets the single-device sequence. The transforms' consequences come
+    with them: checkpoint keys they leave out, and their hooks after each optimizer step.
+
+    The model's family (:mod:`xtl.train.family`: dense, MoE, vision-language) adds its own training behaviour:
+    models with routed experts train their routers as ``routing`` says (balance and z losses, the aux-loss-free
+    bias update, router metrics); every family names its parts, which ``freeze`` and ``optimizer.lr_scales`` use.
 
     Args:
         model: HF model directory (config + weights), ``env:VAR``, registered alias, or
@@ -56,18 +63,15 @@ class LanguageModule(pl.LightningModule):
         seed: Seed of weight initialization.
         param_dtype: Dtype of the parameters without FSDP mixed precision (``float32`` or ``bfloat16``).
         generation: Decoding settings of ``predict`` (greedy by default; the tokenizer's stop tokens are added).
-
-    Attributes:
-        trains_experts: Whether the class trains models with routed experts (router losses, bias updates).
-        trains_vision: Whether the class trains vision-language models.
+        routing: Router training of models with routed experts (default :class:`~xtl.train.RouterTraining`);
+            refused for other models.
+        freeze: Model parts to freeze (``requires_grad=False``): ``vision``, ``merger``, ``language`` for a
+            vision-language model (``BaseModel.parameter_parts``).
 
     Raises:
-        ConfigError: The model's family is not the one this class trains (``model.class_path`` names the class to
-            use).
+        ConfigError: ``routing`` for a model without routed experts; ``freeze`` names an unknown part or all of
+            them.
     """
-
-    trains_experts: ClassVar[bool] = False
-    trains_vision: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -80,12 +84,18 @@ class LanguageModule(pl.LightningModule):
         seed: int = 0,
         param_dtype: Literal["float32", "bfloat16"] = "float32",
         generation: GenerationConfig | None = None,
+        routing: RouterTraining | None = None,
+        freeze: list[str] | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.automatic_optimization = False
         self.model_config, self.hf_dir = resolve_model_config(model, model_overrides)
-        check_module_for_family(type(self), self.model_config, (self.trains_experts, self.trains_vision))
+        self.family = family_of(self.model_config)
+        self.family_training = family_training(self.model_config, routing)
+        self.freeze = list(freeze or [])
+        self._check_freeze()
+        self._transforms: list[ModelTransform] = []
         if not load_weights:
             self.hf_dir = None
         self.optimizer_config = optimizer
@@ -109,13 +119,14 @@ class LanguageModule(pl.LightningModule):
             return
         with torch.device("meta"):
             model = self.model_config.build()
-        transforms = [cb for cb in self._trainer_callbacks() if isinstance(cb, ModelTransform)]
+        self._transforms = [cb for cb in self._trainer_callbacks() if isinstance(cb, ModelTransform)]
         weights = WeightSource(self.hf_dir, self.hparams.seed, getattr(torch, self.hparams.param_dtype))
-        self.model = self.parallelizer.parallelize(model, transforms, weights)
-        frozen = self._frozen_state_keys()
-        if frozen:  # e.g. LoRA's base: checkpoints hold the trained weights only, the rest comes from the source
+        self.model = self.parallelizer.parallelize(model, self._transforms, weights)
+        self._freeze_parts()
+        skipped = {f"model.{key}" for t in self._transforms for key in t.skipped_checkpoint_keys(self.model)}
+        if skipped:  # e.g. LoRA's base: checkpoints hold the trained weights only, the rest comes from the source
             self.strict_loading = False
-            self.register_state_dict_post_hook(partial(_drop_keys, keys=frozen))
+            self.register_state_dict_post_hook(partial(_drop_keys, keys=skipped))
 
     @property
     def parallelizer(self) -> ParallelizingStrategy:
@@ -160,6 +171,15 @@ class LanguageModule(pl.LightningModule):
     def tokens_seen(self, value: int) -> None:
         self._tokens_seen = torch.tensor(float(value), dtype=torch.float64, device=self._tokens_seen.device)
 
+    def trainable_parameters(self) -> dict[str, int]:
+        """Trainable parameter count per model part (after :meth:`configure_model`)."""
+        owner = self.model.parameter_part_of()
+        counts = dict.fromkeys(self.model.parameter_parts(), 0)
+        for param in self.model.parameters():
+            if param.requires_grad:
+                counts[owner[id(param)]] += param.numel()
+        return counts
+
     # ---- optimization ----------------------------------------------------------------------------------------
 
     def configure_optimizers(self) -> dict[str, Any]:
@@ -177,6 +197,8 @@ class LanguageModule(pl.LightningModule):
         """
         optimizer = self.optimizers()
         scheduler = self.lr_schedulers()
+        for behaviour in self.family_training:
+            behaviour.start_step(len(batch), self.device)
         result = forward_backward(
             forward=lambda mb: self.model(seq_ctx=mb.seq_ctx, labels=mb.labels, return_logits=False),
             micro_batches=batch,
@@ -195,6 +217,9 @@ class LanguageModule(pl.LightningModule):
         optimizer.zero_grad(set_to_none=True)
         self._skipped = self._skipped.to(found_inf.device) + found_inf
         self._log_step(batch, result, grad_norm)
+        family_metrics = {f"train/{k}": v for b in self.family_training for k, v in b.step_metrics().items()}
+        if family_metrics:
+            self.log_dict(family_metrics, on_step=True, on_epoch=False, batch_size=1)
         return result.loss_sum / result.global_tokens.clamp(min=1)
 
     def on_train_start(self) -> None:
@@ -206,17 +231,22 @@ class LanguageModule(pl.LightningModule):
         self._warn_nonfinite()
 
     def extra_loss(self, output: ModelOutput, global_tokens: torch.Tensor) -> torch.Tensor | None:
-        """Family-specific objective added to a micro-batch's loss (none for dense models)."""
-        return None
+        """The family's terms added to a micro-batch's loss (router losses; none for dense models)."""
+        terms = [t for b in self.family_training if (t := b.extra_loss(output, self._data_ranks())) is not None]
+        return sum(terms[1:], terms[0]) if terms else None
 
     def after_optimizer_step(self, result: StepResult, applied: torch.Tensor) -> None:
-        """Hook after the optimizer step (e.g. MoE router bias updates).
+        """After the optimizer step: the family's update (e.g. router biases), then each transform's hook.
 
         Args:
             result: The step's forward/backward result.
             applied: 1.0 when the update was applied, 0.0 when it was skipped (a device tensor: scale an update by
                 it instead of branching on it, which would read it back on the host).
         """
+        for behaviour in self.family_training:
+            behaviour.after_optimizer_step(self.model, result.outputs, applied, self._data_ranks())
+        for transform in self._transforms:
+            transform.after_optimizer_step(self.model, applied)
 
     # ---- validation, test, predict ---------------------------------------------------------------------------
 
@@ -309,12 +339,27 @@ class LanguageModule(pl.LightningModule):
 
     # ---- private ---------------------------------------------------------------------------------------------
 
-    def _frozen_state_keys(self) -> set[str]:
-        """State-dict keys of frozen parameters (LoRA's base weights): not saved in Lightning checkpoints."""
-        if self.model is None:
-            return set()
-        params = self.model.named_parameters(remove_duplicate=False)  # tied weights under every name
-        return {f"model.{name}" for name, param in params if not param.requires_grad}
+    def _check_freeze(self) -> None:
+        parts = self.family.parts
+        unknown = [p for p in self.freeze if p not in parts]
+        if unknown:
+            hint = did_you_mean(unknown[0], parts)
+            raise ConfigError(
+                f"model.init_args.freeze: a {self.family.name} model has no part {unknown[0]!r}{hint}; its parts are "
+                f"{', '.join(parts)}"
+            )
+        if set(self.freeze) >= set(parts):
+            raise ConfigError(f"model.init_args.freeze: {self.freeze} freezes every part; nothing would train")
+
+    def _freeze_parts(self) -> None:
+        """``requires_grad=False`` on the parameters of the parts named by ``freeze``."""
+        parts = self.model.parameter_parts()
+        for part in self.freeze:
+            for module in parts[part]:
+                module.requires_grad_(False)
+
+    def _data_ranks(self) -> DataRanks:
+        return DataRanks(self._dp_world_size(), self._sum_over_data_ranks)
 
     def _trainer_callbacks(self) -> list[pl.Callback]:
         return list(self._trainer.callbacks) if self._trainer is not None else []

@@ -10,14 +10,6 @@ from xtl.errors import ConfigError, did_you_mean
 from xtl.model import MODEL_TYPES, TransformerConfig, get_model_config, get_model_config_from_hf
 from xtl.utils import resolve_pretrained
 
-# (routed experts, vision tower) -> the LightningModule that trains such a family
-MODULE_FOR_FAMILY = {
-    (False, False): "xtl.train.CausalLM",
-    (True, False): "xtl.train.MoECausalLM",
-    (False, True): "xtl.train.VisionLM",
-    (True, True): "xtl.train.VisionMoELM",
-}
-
 
 def resolve_model_config(
     model: str | dict[str, Any], overrides: dict[str, Any] | None = None
@@ -65,44 +57,6 @@ def resolve_model_config(
             values["layer_types"] = None
         config = _construct(type(config), {**values, **overrides}, "model.init_args.model_overrides")
     return config, hf_dir
-
-
-def family_traits(config: TransformerConfig) -> tuple[bool, bool]:
-    """``(has routed experts, has a vision tower)`` of a model config (a VLM's language model decides the first)."""
-    return bool(config.routed_experts), bool(config.vision_language)
-
-
-def check_module_for_family(module_class: type, config: TransformerConfig, trains: tuple[bool, bool]) -> None:
-    """Refuse a LightningModule that does not train the family of ``config``.
-
-    A dense module on an MoE model would train without router losses and bias updates, an MoE module on a dense
-    model would look for router statistics that never come, and only the vision modules know the vision parts.
-
-    Args:
-        module_class: The module chosen by ``model.class_path``.
-        config: The resolved model config.
-        trains: ``(routed experts, vision tower)`` that ``module_class`` trains.
-
-    Raises:
-        ConfigError: Naming the model type, the chosen class and the class to use instead.
-    """
-    traits = family_traits(config)
-    if traits == trains:
-        return
-    kind = {
-        (False, False): "a dense model",
-        (True, False): "a mixture-of-experts model",
-        (False, True): "a vision-language model",
-        (True, True): "a mixture-of-experts vision-language model",
-    }[traits]
-    model_type = getattr(config.hf_config_class, "model_type", type(config).__name__)
-    name = module_class.__qualname__
-    module = "xtl.train" if module_class.__module__.startswith("xtl.train.") else module_class.__module__
-    chosen = f"{module}.{name}"
-    raise ConfigError(
-        f"model.class_path {chosen} does not train {model_type} ({kind}); use model.class_path: "
-        f"{MODULE_FOR_FAMILY[traits]}"
-    )
 
 
 def _construct(cls: type[TransformerConfig], fields: dict[str, Any], where: str) -> TransformerConfig:

@@ -351,6 +351,13 @@ class Qwen3VL(BaseModel):
         """The language model (``language_model``)."""
         return self.language_model
 
+    def parameter_parts(self) -> dict[str, list[nn.Module]]:
+        """``vision`` (patch and position embeddings, blocks), ``merger`` (patch merger and DeepStack mergers) and
+        ``language`` (the language model)."""
+        mergers = [self.visual.merger, self.visual.deepstack_merger_list]
+        tower = [m for m in self.visual.children() if all(m is not x for x in mergers)]
+        return {"vision": tower, "merger": mergers, "language": [self.language_model]}
+
 
 def _image_positions(start: int, t: int, h: int, w: int, device: torch.device) -> torch.Tensor:
     """``(3, t*h*w)`` positions of an image's merged tokens: ``start`` + (frame, row, column)."""

@@ -13,7 +13,6 @@ from xtl.module.decoder_layer import DecoderLayer
 from xtl.module.kv_cache import NO_KV_CACHE, KVCache
 from xtl.module.mlp import GatedMLP
 from xtl.module.moe_block import MoEBlock, MoEDecoderLayer
-from xtl.module.router import NoAuxTopKRouter
 from xtl.ops.attention import AttentionMaskSpec
 from xtl.ops.moe_loss import router_statistics
 
@@ -80,27 +79,6 @@ class MoE(Dense):
             else:
                 hidden = layer(hidden, position_embeddings, mask, kv_cache.layer(i))
         return hidden, self._extras(stats, hidden, token_mask)
-
-    @torch.no_grad()
-    def update_router_bias(self, tokens_per_expert: torch.Tensor, lr: float | torch.Tensor) -> None:
-        """Aux-loss-free balancing: update every correction-bias router from the step's expert loads.
-
-        Call once after each optimizer step. Routers without a correction bias are left alone.
-
-        Args:
-            tokens_per_expert: ``(L, E)`` loads accumulated over the step (``extras["tokens_per_expert"]`` summed
-                over micro-batches and all-reduced over data-parallel ranks).
-            lr: Bias update speed (a tensor too: 0 on a skipped step, without reading it on the host).
-        """
-        moe_layers = self.moe_layer_indices
-        if tokens_per_expert.shape[0] != len(moe_layers):
-            raise ValueError(
-                f"tokens_per_expert has {tokens_per_expert.shape[0]} rows for {len(moe_layers)} MoE layers"
-            )
-        for row, layer_idx in enumerate(moe_layers):
-            router = self.layers[layer_idx].mlp.gate
-            if isinstance(router, NoAuxTopKRouter):
-                router.update_bias(tokens_per_expert[row], lr)
 
     # ---- HF key mapping: one HF tensor per expert and projection ------------------------------------------
 

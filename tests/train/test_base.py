@@ -1,4 +1,4 @@
-"""CausalLM training behaviour: NaN steps are skipped, HF export matches, exact resume, MoE metrics."""
+"""LanguageModule training behaviour: NaN steps are skipped, HF export matches, exact resume, MoE metrics."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 from xtl.callbacks import HFExport
 from xtl.ops import hf_impl
 from xtl.strategies import AtomicCheckpointIO
-from xtl.train import AdamWConfig, CausalLM, MoECausalLM, ScheduleConfig
+from xtl.train import AdamWConfig, LanguageModule, RouterTraining, ScheduleConfig
 
 from .conftest import TINY_MODEL
 
@@ -42,7 +42,7 @@ class StopAt(pl.Callback):
             trainer.should_stop = True
 
 
-class NaNAtStep(CausalLM):
+class NaNAtStep(LanguageModule):
     """Injects NaN into the loss of one optimizer step."""
 
     nan_batch = 2
@@ -108,7 +108,7 @@ class TestNoHostSync:
     def test_training_step_reads_nothing_back_on_steps_that_are_not_logged(self, make_datamodule, make_trainer):
         reads: dict[int, list[str]] = {}
 
-        class Recorded(CausalLM):
+        class Recorded(LanguageModule):
             def training_step(self, batch, batch_idx):
                 with _HostReads() as mode:
                     loss = super().training_step(batch, batch_idx)
@@ -126,7 +126,7 @@ class TestNoHostSync:
     def test_no_cuda_sync_on_steps_that_are_not_logged(self, make_datamodule, make_trainer):
         errors: dict[int, str] = {}
 
-        class Strict(CausalLM):
+        class Strict(LanguageModule):
             def training_step(self, batch, batch_idx):
                 logged = self.trainer._logger_connector.should_update_logs
                 torch.cuda.set_sync_debug_mode(0 if logged or batch_idx == 0 else "error")
@@ -146,7 +146,7 @@ class TestNoHostSync:
 class TestHFExport:
     def test_exported_dir_loads_in_transformers_with_equal_logits(self, make_datamodule, make_trainer, tmp_path):
         export = HFExport(dirpath=str(tmp_path / "hf"), every_n_steps=2, at_end=True)
-        module = CausalLM(model=TINY_MODEL, optimizer=AdamWConfig(lr=1e-2))
+        module = LanguageModule(model=TINY_MODEL, optimizer=AdamWConfig(lr=1e-2))
         trainer = make_trainer(3, callbacks=[export])
         trainer.fit(module, datamodule=make_datamodule())
         assert [p.name for p in export.exported] == ["step_2", "final"]
@@ -182,7 +182,7 @@ class TestExactResume:
         )
         pl.seed_everything(0)
         trainer.fit(
-            CausalLM(
+            LanguageModule(
                 model=TINY_MODEL,
                 optimizer=AdamWConfig(lr=5e-3),
                 schedule=ScheduleConfig(warmup_steps=2),
@@ -201,7 +201,7 @@ class TestExactResume:
         assert [resumed[s] for s in range(6, 11)] == [uninterrupted[s] for s in range(6, 11)]
 
 
-class TestMoECausalLM:
+class TestRoutedExperts:
     def test_router_losses_and_metrics_are_logged(self, make_datamodule, make_trainer):
         model = {
             **TINY_MODEL,
@@ -210,7 +210,11 @@ class TestMoECausalLM:
             "num_experts_per_tok": 2,
             "moe_intermediate_size": 16,
         }
-        module = MoECausalLM(model=model, optimizer=AdamWConfig(lr=1e-2), balance_loss_coef=0.01, z_loss_coef=0.001)
+        module = LanguageModule(
+            model=model,
+            optimizer=AdamWConfig(lr=1e-2),
+            routing=RouterTraining(balance_loss_coef=0.01, z_loss_coef=0.001),
+        )
         trainer = make_trainer(3)
         trainer.fit(module, datamodule=make_datamodule())
         metrics = trainer.callback_metrics
@@ -220,11 +224,11 @@ class TestMoECausalLM:
 
     def test_unknown_model_type_is_a_clear_error(self):
         with pytest.raises(ValueError, match="model.init_args.model.model_type 'mamba' is not supported"):
-            CausalLM(model={"model_type": "mamba"})
+            LanguageModule(model={"model_type": "mamba"})
 
     def test_unknown_field_is_named(self):
         with pytest.raises(ValueError, match=r"unknown field\(s\) \['hiden_size'\]"):
-            CausalLM(model={"model_type": "qwen3", "hiden_size": 3})
+            LanguageModule(model={"model_type": "qwen3", "hiden_size": 3})
 
 
 class TestAtomicCheckpoint:
@@ -254,7 +258,7 @@ class TestPrecision:
                 proj = pl_module.model.layers[0].mlp.down_proj
                 proj.register_forward_hook(lambda mod, args, out: seen.append(out.dtype))
 
-        module = CausalLM(model=TINY_MODEL, optimizer=AdamWConfig(lr=1e-2))
+        module = LanguageModule(model=TINY_MODEL, optimizer=AdamWConfig(lr=1e-2))
         trainer = make_trainer(3, callbacks=[LayerDtype(), LossRecorder()], precision="bf16-mixed")
         trainer.fit(module, datamodule=make_datamodule())
         assert set(seen) == {torch.bfloat16}, "matmuls compute in bf16 (autocast; the residual stream stays fp32)"
@@ -264,7 +268,7 @@ class TestPrecision:
         assert trainer.callbacks[1].losses[3] < trainer.callbacks[1].losses[1]
 
     def test_pure_bf16_without_fsdp_is_warned(self, make_datamodule, make_trainer):
-        module = CausalLM(model=TINY_MODEL, param_dtype="bfloat16")
+        module = LanguageModule(model=TINY_MODEL, param_dtype="bfloat16")
         with pytest.warns(UserWarning, match="no fp32 master weights"):
             make_trainer(1).fit(module, datamodule=make_datamodule())
         assert {p.dtype for p in module.model.parameters()} == {torch.bfloat16}
@@ -275,4 +279,4 @@ class TestPrecision:
 
         trainer = make_trainer(1, strategy=FSDPStrategy(cpu_offload=True, process_group_backend="gloo"))
         with pytest.raises(ConfigError, match="cpu_offload .* remove cpu_offload"):
-            trainer.fit(CausalLM(model=TINY_MODEL), datamodule=make_datamodule())
+            trainer.fit(LanguageModule(model=TINY_MODEL), datamodule=make_datamodule())
