@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import os
 import shutil
+from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from xtl.errors import ConfigError
 from xtl.model import BaseModel
-from xtl.strategies.checkpoint_io import raise_if_unreadable
+from xtl.strategies.checkpoint_io import LIGHTNING_METADATA, raise_if_unreadable
 from xtl.strategies.expert_parallel import shard_experts, split_experts
 from xtl.strategies.layout import ParallelLayout
 from xtl.strategies.parallelize import ShardedStrategyMixin
@@ -33,7 +36,10 @@ class FSDPStrategy(ShardedStrategyMixin, ModelParallelStrategy):
     and every rank still sees different data.
 
     Checkpoints are DCP directories written atomically (temporary name, then rename), so a run killed mid-save
-    resumes from the previous good checkpoint.
+    resumes from the previous good checkpoint. With ``async_save`` the tensors of a checkpoint are copied to CPU
+    memory and written by a background thread while training goes on; the rename waits until the write is complete
+    on every rank, and happens at the latest before the next save, before a load, before a pending checkpoint is
+    removed, and at teardown.
 
     Args:
         data_parallel_shard_size: Ranks a parameter is sharded over (``"auto"``: world size / replicate size).
@@ -46,6 +52,9 @@ class FSDPStrategy(ShardedStrategyMixin, ModelParallelStrategy):
         process_group_backend: ``gloo``/``nccl`` (default from the device).
         expert_parallel_size: Ranks the routed experts of each MoE layer are split over (divides the world size
             and the expert count; 1: every rank holds every expert).
+        async_save: Write the model and optimizer state of distributed checkpoints in the background
+            (``torch.distributed.checkpoint.async_save``: staged to CPU memory, then written while training
+            continues); needs ``save_distributed_checkpoint``.
         **kwargs: Other ``ModelParallelStrategy`` arguments (``timeout``, ...).
     """
 
@@ -60,8 +69,15 @@ class FSDPStrategy(ShardedStrategyMixin, ModelParallelStrategy):
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         expert_parallel_size: int = 1,
+        async_save: bool = False,
         **kwargs: Any,
     ) -> None:
+        if async_save and not save_distributed_checkpoint:
+            raise ConfigError(
+                "trainer.strategy.init_args.async_save writes distributed (DCP) checkpoints in the background; with "
+                "save_distributed_checkpoint: false there are none: remove async_save or set "
+                "save_distributed_checkpoint: true"
+            )
         super().__init__(
             data_parallel_size="auto",
             tensor_parallel_size=1,
@@ -76,7 +92,11 @@ class FSDPStrategy(ShardedStrategyMixin, ModelParallelStrategy):
         self.reshard_after_forward = reshard_after_forward
         self.cpu_offload = cpu_offload
         self.expert_parallel_size = expert_parallel_size
+        self.async_save = async_save
         self._expert_modules: list = []
+        self._pending_save: _PendingSave | None = None
+        self._checkpoint_group: torch.distributed.ProcessGroup | None = None
+        self._interrupted = False
 
     def setup_environment(self) -> None:
         """Set explicit sizes (Lightning's defaults are per node), then lay the ranks out and build the meshes."""
@@ -132,27 +152,118 @@ class FSDPStrategy(ShardedStrategyMixin, ModelParallelStrategy):
         }
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any = None) -> None:
-        """Write to a temporary sibling, then replace ``filepath`` atomically (rank 0 renames)."""
+        """Write to a temporary sibling, then replace ``filepath`` atomically (rank 0 renames).
+
+        With ``async_save`` the tensors are written in the background and the rename is left to
+        :meth:`finish_pending_save`; a save still pending from before is finished first.
+        """
+        self.finish_pending_save()
         path = Path(self.broadcast(str(filepath)))
         tmp = path.with_name(f".{path.name}.tmp")
         if self.global_rank == 0 and tmp.exists():
             shutil.rmtree(tmp) if tmp.is_dir() else tmp.unlink()
         self.barrier()
+        if self.async_save:
+            self._pending_save = self._start_async_save(checkpoint, tmp, path, storage_options)
+            return
         super().save_checkpoint(checkpoint, tmp, storage_options)
         self.barrier()
         if self.global_rank == 0:
             _replace(tmp, path)
         self.barrier()
 
+    def finish_pending_save(self) -> None:
+        """Wait for the pending background save, then rename it into place (rank 0); a no-op without one.
+
+        Every rank calls it (at the next save, a load, a removal of the pending checkpoint, teardown). Rank 0's
+        future resolves only after DCP's coordinator wrote ``.metadata``, which it does once it has gathered the
+        result of every rank's finished (and fsynced) writes, so the directory is complete when rank 0 renames.
+        The barrier after the rename keeps the other ranks from going on (e.g. to a load) before it.
+        """
+        pending, self._pending_save = self._pending_save, None
+        if pending is None:
+            return
+        pending.future.result()
+        if self.global_rank == 0:
+            _replace(pending.tmp, pending.path)
+        if not self._interrupted:
+            self.barrier("finish_pending_save")
+
     def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
-        """Load a DCP directory (or a full checkpoint file) after checking it is whole.
+        """Load a DCP directory (or a full checkpoint file) after checking it is whole (a pending save finished
+        first).
 
         Raises:
             CheckpointError: On every rank, naming the damaged checkpoint and the newest intact one beside it.
         """
+        self.finish_pending_save()
         path = Path(self.broadcast(str(checkpoint_path)))
         raise_if_unreadable(path)
         return super().load_checkpoint(path, weights_only=weights_only)
+
+    def remove_checkpoint(self, filepath: str | Path) -> None:
+        """Remove a checkpoint; one still being written is finished first (else the rename would bring it back)."""
+        pending = self._pending_save
+        if pending is not None and os.path.abspath(filepath) == os.path.abspath(pending.path):
+            self.finish_pending_save()
+        super().remove_checkpoint(filepath)
+
+    def on_exception(self, exception: BaseException) -> None:
+        """Remember the interruption: teardown then finishes a pending save without waiting for the other ranks."""
+        self._interrupted = True
+        super().on_exception(exception)
+
+    def teardown(self) -> None:
+        """Finish a pending save (the fit's last checkpoint lands under its name), then tear down."""
+        try:
+            if self._interrupted:
+                try:
+                    self.finish_pending_save()
+                except Exception as err:  # the run is failing already: keep its error, leave the temporary copy
+                    rank_zero_warn(f"the checkpoint being written when the run stopped was not finished: {err}")
+            else:
+                self.finish_pending_save()
+        finally:
+            if self._checkpoint_group is not None:
+                torch.distributed.destroy_process_group(self._checkpoint_group)
+                self._checkpoint_group = None
+            self._interrupted = False
+            super().teardown()
+
+    def _start_async_save(
+        self, checkpoint: dict[str, Any], tmp: Path, path: Path, storage_options: Any
+    ) -> _PendingSave:
+        """``ModelParallelStrategy.save_checkpoint``'s split: tensors by DCP (here in the background), the rest
+        (loops, callbacks, hyperparameters) by rank 0 into ``meta.pt`` now."""
+        from torch.distributed.checkpoint import async_save
+
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint does not take storage_options")
+        tmp.mkdir(parents=True, exist_ok=True)
+        tensors = {"state_dict": checkpoint.pop("state_dict")}
+        tensors.update({f"optimizer_{i}": state for i, state in enumerate(checkpoint.pop("optimizer_states", []))})
+        # staged (copied to CPU) before async_save returns, so the next optimizer step cannot change what is written
+        future = async_save(tensors, checkpoint_id=tmp, process_group=self._checkpoint_process_group())
+        if self.global_rank == 0:
+            torch.save(checkpoint, tmp / LIGHTNING_METADATA)
+        return _PendingSave(future, tmp, path)
+
+    def _checkpoint_process_group(self) -> torch.distributed.ProcessGroup | None:
+        """A gloo group of all ranks for the background writer's collectives, so that they never interleave with
+        the training's collectives on the default group (and async saving works on an NCCL-only default group).
+        Created at the first save, which every rank makes."""
+        if self._checkpoint_group is None and torch.distributed.is_initialized():
+            self._checkpoint_group = torch.distributed.new_group(backend="gloo", timeout=self._timeout)
+        return self._checkpoint_group
+
+
+@dataclass
+class _PendingSave:
+    """A checkpoint written in the background into ``tmp``, to be renamed to ``path`` once complete."""
+
+    future: Future
+    tmp: Path
+    path: Path
 
 
 def _replace(src: Path, dst: Path) -> None:
