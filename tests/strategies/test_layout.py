@@ -54,34 +54,65 @@ class TestParallelLayout:
             ParallelLayout.for_world(**kwargs)
 
 
+@pytest.fixture(scope="class")
+def one_node(tmp_path_factory, data_cache) -> tuple[list[str], dict[int, str]]:
+    """The HSDP run's arguments and the losses of 1 node x 2 processes."""
+    tmp_path = tmp_path_factory.mktemp("one_node")
+    (tmp_path / "hsdp.yaml").write_text(HSDP)
+    common = ["fit", "--config", str(ROOT / "configs/tiny_sft.yaml"), "--config", str(tmp_path / "hsdp.yaml")]
+    common += [*SMALL_MODEL, "--data.cache_dir", str(data_cache), "--data.pack_max_length", "128"]
+    common += ["--trainer.max_steps", "3"]
+    return common, _losses(tmp_path / "one", [sys.executable, "-m", "xtl", *common, "--trainer.devices", "2"])
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
 class TestTwoNodes:
-    def test_hsdp_over_two_simulated_nodes_equals_one_node_of_two_processes(self, tmp_path, data_cache):
-        """``torchrun --nnodes 2`` on localhost (node ranks 0 and 1, one process each), ``trainer.num_nodes 2``:
-        replicated across the nodes. The same layout on one node with 2 processes logs the same losses."""
-        (tmp_path / "hsdp.yaml").write_text(HSDP)
-        common = ["fit", "--config", str(ROOT / "configs/tiny_sft.yaml"), "--config", str(tmp_path / "hsdp.yaml")]
-        common += [*SMALL_MODEL, "--data.cache_dir", str(data_cache), "--data.pack_max_length", "128"]
-        common += ["--trainer.max_steps", "3"]
-        one_node = _losses(tmp_path / "one", [sys.executable, "-m", "xtl", *common, "--trainer.devices", "2"])
+    """HSDP 2 x 1, replicated across 2 simulated nodes (one process each, node ranks 0 and 1 on localhost), logs
+    the losses of the same layout on one node of 2 processes (``trainer.num_nodes 2``, ``trainer.devices 1``)."""
+
+    def test_torchrun(self, tmp_path, one_node):
+        common, expected = one_node
         port = _free_port()
-        nodes = []
+        launches = []
         for node in (0, 1):
-            work = tmp_path / f"node{node}"
-            work.mkdir()
             launch = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1"]
             launch += ["--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "xtl"]
-            args = [*launch, *common, "--trainer.num_nodes", "2", "--trainer.devices", "1"]
-            with (work / "log.txt").open("w") as log:
-                nodes.append(subprocess.Popen(args, cwd=work, env=_env(), stdout=log, stderr=subprocess.STDOUT))
-        codes = [proc.wait(timeout=600) for proc in nodes]
-        logs = "".join((tmp_path / f"node{n}/log.txt").read_text()[-3000:] for n in (0, 1))
-        assert codes == [0, 0], logs
-        two_nodes = _read(tmp_path / "node0")
-        assert sorted(two_nodes) == sorted(one_node) == [0, 1, 2]
-        for step, loss in one_node.items():
-            assert float(two_nodes[step]) == pytest.approx(float(loss), rel=RTOL), step
+            launches.append(([*launch, *common, "--trainer.num_nodes", "2", "--trainer.devices", "1"], _env()))
+        _assert_same_losses(tmp_path, launches, expected)
+
+    def test_slurm(self, tmp_path, one_node):
+        """As ``srun --nodes 2 --ntasks-per-node 1`` starts them: Lightning's SLURM environment reads the ranks."""
+        common, expected = one_node
+        slurm = {
+            "SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "1", "SLURM_NNODES": "2", "SLURM_LOCALID": "0",
+            "SLURM_NODELIST": "127.0.0.1", "SLURM_JOB_NAME": "xtl", "SLURM_JOB_ID": "4242",
+            "MASTER_PORT": str(_free_port()),
+        }  # fmt: skip
+        launches = []
+        for node in (0, 1):
+            env = {**_env(), **slurm, "SLURM_PROCID": str(node), "SLURM_NODEID": str(node)}
+            launches.append(([sys.executable, "-m", "xtl", *common, "--trainer.num_nodes", "2"], env))
+        _assert_same_losses(tmp_path, launches, expected)
+
+
+def _assert_same_losses(tmp_path: Path, launches: list[tuple[list[str], dict]], expected: dict[int, str]) -> None:
+    """Start one process per node and compare node 0's logged losses with ``expected``."""
+    procs = []
+    for node, (args, env) in enumerate(launches):
+        work = tmp_path / f"node{node}"
+        work.mkdir()
+        with (work / "log.txt").open("w") as log:
+            procs.append(subprocess.Popen(args, cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT))
+    codes = [proc.wait(timeout=600) for proc in procs]
+    logs = "".join((tmp_path / f"node{n}/log.txt").read_text()[-3000:] for n in range(len(launches)))
+    assert codes == [0] * len(launches), logs
+    for node in range(len(launches)):  # each launch is one rank of one 2-rank world
+        assert f"GLOBAL_RANK: {node}, MEMBER: {node + 1}/2" in (tmp_path / f"node{node}/log.txt").read_text()
+    two_nodes = _read(tmp_path / "node0")
+    assert sorted(two_nodes) == sorted(expected) == [0, 1, 2]
+    for step, loss in expected.items():
+        assert float(two_nodes[step]) == pytest.approx(float(loss), rel=RTOL), step
 
 
 def _env() -> dict[str, str]:
