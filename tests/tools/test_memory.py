@@ -265,7 +265,7 @@ class TestParallelLayouts:
         )
 
     def test_zero1_pipeline_keeps_micro_batches_in_flight(self) -> None:
-        setup = dict(nodes=8, zero=1, pp=4, tp=2, seq_len=4096, recompute=False, chunk_loss=1024)
+        setup = dict(nodes=8, zero=1, pp=4, tp=2, seq_len=4096, recompute="none", chunk_loss=1024)
         est = estimate_memory("qwen3-32b", TrainSetup(**setup))
         many = est.phases["microN_forward_end"].items
         per_micro_batch = 16 * (est.parts["layer_attn"]["acts"] + est.parts["layer_mlp"]["acts"])
@@ -278,7 +278,7 @@ class TestParallelLayouts:
     def test_recompute_flash_and_chunk_loss(self) -> None:
         base = dict(seq_len=8192)
         ref = estimate_memory("qwen3-8b", TrainSetup(**base, chunk_loss=1024))
-        no_rc = estimate_memory("qwen3-8b", TrainSetup(**base, chunk_loss=1024, recompute=False))
+        no_rc = estimate_memory("qwen3-8b", TrainSetup(**base, chunk_loss=1024, recompute="none"))
         no_flash = estimate_memory("qwen3-8b", TrainSetup(**base, chunk_loss=1024, flash_attn=False))
         no_chunk = estimate_memory("qwen3-8b", TrainSetup(**base))
         assert no_rc.peak_mbn.bytes > ref.peak_mbn.bytes + 30 * ref.parts["layer_mlp"]["acts"]
@@ -361,9 +361,10 @@ class TestMemoryModes:
         ]:
             label, value = _kept_item(est)
             assert value == 35 * self.SEQ * per_token and label.endswith(f"{kind} x 35"), label
-        # the default (and the former boolean option) is full recompute, whose figures are unchanged
-        assert TrainSetup().recompute == "full" and TrainSetup(recompute=True).recompute == "full"
-        assert TrainSetup(recompute=False).recompute == "none"
+        # the default is full recompute, whose figures are unchanged; a boolean is no mode
+        assert TrainSetup().recompute == "full"
+        with pytest.raises(ToolInputError, match="recompute must be one of none, full, selective; got True"):
+            estimate_memory("qwen3-8b", TrainSetup(recompute=True))
         assert full.parts["layer_input_ckpt"]["acts"] == self.SEQ * CHECKPOINT
 
     def test_every_n_layers_lies_between(self) -> None:
@@ -515,7 +516,7 @@ class TestRecipeConfig:
         recipe = str(ROOT / "configs/qwen3_8b_pretrain.yaml")
         twice = ["--config", recipe, "--config", str(ROOT / "callbacks/activation_checkpointing.yaml"), "qwen3-8b"]
         assert memory.main(twice) == 2
-        assert "2 ActivationCheckpointing callbacks" in capsys.readouterr().err
+        assert "two callbacks that set recompute (ActivationCheckpointing and" in capsys.readouterr().err
         assert memory.main(["--config", str(tmp_path / "missing.yaml"), "qwen3-8b"]) == 2
         assert "no such file" in capsys.readouterr().err
         bad = tmp_path / "bad.yaml"
@@ -528,7 +529,55 @@ class TestRecipeConfig:
         assert memory.main(["--config", recipe, "--config", str(ddp), "qwen3-8b"]) == 2
         assert "'ddp' on 8 GPUs is not modelled" in capsys.readouterr().err
         assert memory.main(["--config", str(ROOT / "configs/tiny_sft.yaml"), "--config", str(ddp)]) == 0  # 1 GPU
+        bad_layout = tmp_path / "bad_layout.yaml"
+        bad_layout.write_text(STRATEGY.format(nodes=1, args="{data_parallel_replicate_size: 3}"))
+        assert memory.main(["--config", recipe, "--config", str(bad_layout), "qwen3-8b"]) == 2
+        assert "data_parallel_replicate_size (3) x data_parallel_shard_size" in capsys.readouterr().err
 
+    def test_an_hsdp_recipe_shards_within_one_replica(self, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+        """HSDP 2 x 8 on 16 GPUs holds what FSDP over 8 GPUs holds; FSDP over all 16 holds less."""
+        recipe = str(ROOT / "configs/qwen3_8b_pretrain.yaml")
+        hsdp = tmp_path / "hsdp.yaml"
+        hsdp.write_text(STRATEGY.format(nodes=2, args="{data_parallel_replicate_size: 2}"))
+        read = memory.read_recipe([recipe, hsdp])
+        assert (read.setup["dp_replicate"], read.setup["nodes"], read.setup["gpus_per_node"]) == (2, 2, 8)
+        assert "dp_replicate 2 x dp_shard 8" in read.read_from["layout"]
+        two_nodes = _json(capsys, "--config", recipe, "--config", str(hsdp), "qwen3-8b")
+        one_node = _json(capsys, "--config", recipe, "qwen3-8b")
+        options = _json(capsys, "--config", recipe, "qwen3-8b", "--nodes", "2", "--dp-replicate", "2")
+        assert two_nodes["phases"] == one_node["phases"] == options["phases"]
+        sharded_16 = _json(capsys, "--config", recipe, "qwen3-8b", "--nodes", "2")
+        assert sharded_16["peak_micro_batch_n"]["bytes"] < one_node["peak_micro_batch_n"]["bytes"]
+        assert memory.main(["qwen3-30b-a3b", "--dp-replicate", "2", "--ep", "8"]) == 2
+        assert "needs ZeRO-3 without ep" in capsys.readouterr().err
+
+    def test_a_transform_states_its_own_memory_settings(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        """The reader asks each model-transform callback, so a callback xtl has never seen is read."""
+        (tmp_path / "my_transforms.py").write_text(
+            "import lightning.pytorch as pl\nfrom xtl.strategies.parallelize import ModelTransform\n\n\n"
+            "class Recompute(pl.Callback, ModelTransform):\n"
+            "    def __init__(self, every: int = 1):\n        self.every = every\n\n"
+            "    def transform_model(self, model):\n        return model\n\n"
+            "    def memory_settings(self):\n"
+            "        return {'recompute': 'selective', 'recompute_every_n_layers': self.every}\n"
+        )
+        monkeypatch.syspath_prepend(str(tmp_path))
+        fragment = tmp_path / "mine.yaml"
+        fragment.write_text(
+            "trainer:\n  callbacks+:\n    - class_path: my_transforms.Recompute\n      init_args: {every: 3}\n"
+        )
+        read = memory.read_recipe([ROOT / "configs/tiny_sft.yaml", fragment])
+        assert (read.setup["recompute"], read.setup["recompute_every_n_layers"]) == ("selective", 3)
+        assert read.read_from["recompute"] == "selective (trainer.callbacks: Recompute)"
+        assert read.read_from["offload"] == "off (no callback in trainer.callbacks sets it)"
+
+
+STRATEGY = """trainer:
+  num_nodes: {nodes}
+  strategy:
+    class_path: xtl.strategies.FSDPStrategy
+    init_args: {args}
+"""
 
 RECIPES = {
     "qwen3_8b_pretrain.yaml": "qwen3-8b",
@@ -772,6 +821,6 @@ class TestLoRA:
         assert fsdp.setup["frozen_bytes"] == 4 and "FSDPStrategy" in fsdp.read_from["frozen weights"]
         # a run applies one LoRA; QLoRA needs one
         assert memory.main(["--config", recipe, "--config", lora, "--config", str(inline)]) == 2
-        assert "2 LoRA and 0 QLoRA callbacks" in capsys.readouterr().err
+        assert "two callbacks that set lora_rank (LoRA and LoRA)" in capsys.readouterr().err
         assert memory.main(["--config", recipe, "--config", qlora]) == 2
         assert "needs a LoRA callback" in capsys.readouterr().err

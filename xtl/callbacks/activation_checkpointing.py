@@ -72,6 +72,10 @@ class ActivationCheckpointing(pl.Callback, ModelTransform):
                 checkpoint(layer, context_fn=self.context_fn(routed))
         return model
 
+    def memory_settings(self) -> dict[str, Any]:
+        """The decoder layers' recompute mode and stride, for ``xtl memory --config``."""
+        return {"recompute": self.mode, "recompute_every_n_layers": self.every_n_layers}
+
     def context_fn(self, routed: bool) -> Callable[[], tuple[Any, Any]] | None:
         """The selective-checkpoint contexts of a block (``routed``: it holds an MoE block; ``None``: plain full
         recomputation)."""

@@ -108,6 +108,11 @@ class ActivationOffload(pl.Callback, ModelTransform):
             order += len(stack)
         return model
 
+    def memory_settings(self) -> dict[str, Any]:
+        """The offloaded decoder layers, for ``xtl memory --config``."""
+        layers = tuple(self.layers) if self.layers is not None else None
+        return {"offload": True, "offload_every_n_layers": self.every_n_layers, "offload_layers": layers}
+
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:

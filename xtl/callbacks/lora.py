@@ -157,6 +157,10 @@ class LoRA(pl.Callback, ModelTransform):
             written.append(adapter_dir)
         return written
 
+    def memory_settings(self) -> dict[str, Any]:
+        """The adapter rank and the adapted layers, for ``xtl memory --config``."""
+        return {"lora_rank": self.rank, "lora_targets": tuple(self.target_modules)}
+
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Print how many parameters train."""
         trainable, total = trainable_parameters(pl_module.model)

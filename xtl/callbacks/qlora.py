@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_info
 
@@ -52,6 +54,10 @@ class QLoRA(pl.Callback, ModelTransform):
     def transform_model(self, model: BaseModel) -> BaseModel:
         """Nothing to do on the meta model: the weights are quantized once loaded."""
         return model
+
+    def memory_settings(self) -> dict[str, Any]:
+        """NF4 base weights (of the adapted layers, or of every linear layer), for ``xtl memory --config``."""
+        return {"qlora": True, "qlora_all_linear": self.quantize_all_linear}
 
     def after_weights(self, model: BaseModel) -> BaseModel:
         """Store the loaded frozen base weights in NF4 (:func:`xtl.module.nf4.quantize_base_weights`)."""

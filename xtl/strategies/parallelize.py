@@ -82,6 +82,11 @@ class ModelTransform(ABC):
         """
         return None
 
+    def memory_settings(self) -> dict[str, Any]:
+        """What the transform changes in a run's memory, as fields of ``xtl memory``'s ``TrainSetup`` (e.g.
+        ``{"recompute": "full"}``); ``xtl memory --config`` asks every transform of a recipe. Default: nothing."""
+        return {}
+
     def after_optimizer_step(self, model: BaseModel, applied: torch.Tensor) -> None:  # noqa: B027 - a no-op by default
         """Called after every optimizer step (e.g. to refresh state derived from the weights).
 

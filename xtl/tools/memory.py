@@ -37,9 +37,7 @@ Example:
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
-import re
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
@@ -53,6 +51,7 @@ from xtl.model import MODEL_TYPES, alias_names, get_model_config
 from xtl.model.dims import ModelDims
 from xtl.tools._cli import EXIT_CODES_HELP, EXIT_FAILED, EXIT_OK, ToolInputError, make_parser, run_cli
 from xtl.tools._memory_lora import DEFAULT_TARGETS, NF4_DEQUANT_BYTES, BlockLoRA, block_lora, layer_linears
+from xtl.tools.memory_recipe import Recipe, parse_memory_size, read_recipe
 
 if TYPE_CHECKING:
     from xtl.model.dense.config import DenseConfig
@@ -64,7 +63,6 @@ FP32 = 4
 INDEX_BYTES = 8
 RECOMPUTE_MODES = ("none", "full", "selective")
 USABLE_FRACTION = 0.9  # of a stated GPU memory; the rest: CUDA context, NCCL buffers, allocator fragmentation
-GPU_MEMORY_COMMENT = re.compile(r"^#\s*gpu-memory:\s*(\S+)", re.MULTILINE)
 
 EXAMPLES = """examples:
   xtl memory qwen3-8b --gpus-per-node 8 --seq-len 32768 --chunk-loss 1024          # FSDP, recompute, flash
@@ -97,10 +95,12 @@ class TrainSetup:
         vpp (int): Virtual pipeline stages per rank (interleaved 1F1B).
         ep (int): Expert-parallel size.
         zero (int): 1 (optimizer states sharded) or 3 (FSDP: parameters, gradients and states sharded).
+        dp_replicate (int): ZeRO-3 replicas (HSDP, xtl's ``ParallelLayout.dp_replicate``): parameters, gradients
+            and states are sharded over the ``dp / dp_replicate`` ranks of one replica.
         seq_len (int): Tokens per sequence.
         micro_batch_size (int): Sequences per micro-batch.
         recompute (str): Activation checkpointing of the decoder layers: ``none``, ``full`` (a layer keeps its
-            input) or ``selective`` (it keeps its matmul outputs); ``True`` / ``False`` mean ``full`` / ``none``.
+            input) or ``selective`` (it keeps its matmul outputs).
         recompute_every_n_layers (int): Checkpoint layers ``i`` with ``i % k == 0``; the others keep everything.
         offload (bool): Activation offload: what the offloaded layers keep for backward lives in host memory.
         offload_every_n_layers (int): Offload layers ``i`` with ``i % k == 0``.
@@ -130,6 +130,7 @@ class TrainSetup:
     vpp: int = 1
     ep: int = 1
     zero: int = 3
+    dp_replicate: int = 1
     seq_len: int = 4096
     micro_batch_size: int = 1
     recompute: str = "full"
@@ -152,8 +153,6 @@ class TrainSetup:
     frozen_bytes: int | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.recompute, bool):  # the former boolean option: full recompute or none
-            self.recompute = "full" if self.recompute else "none"
         if self.offload_layers is not None:
             self.offload_layers = tuple(self.offload_layers)
         if self.lora_targets is not None:
@@ -230,7 +229,8 @@ class MemoryEstimate:
         """
         s, p = self.setup, self.params
         lines = [
-            f"model {self.model}: zero {s.zero}, gpus {s.gpus}, dp {s.dp}, tp {s.tp}, pp {s.pp}, vpp {s.vpp}, "
+            f"model {self.model}: zero {s.zero}, gpus {s.gpus}, dp {s.dp}{_replicas_text(s)}, tp {s.tp}, pp {s.pp}, "
+            f"vpp {s.vpp}, "
             f"ep {s.ep}, micro-batch {s.micro_batch_size} x {s.seq_len} tokens, recompute {_recompute_text(s)}, "
             f"offload {_offload_text(s)}, flash-attn {s.flash_attn}, chunk-loss {s.chunk_loss or 'off'}, "
             f"activations {s.act_bytes}-byte",
@@ -250,50 +250,6 @@ class MemoryEstimate:
         for phase in self.phases.values():
             lines += ["", f"{phase.name}: {phase.bytes / GIB:.4f} GiB"]
             lines += [f"  {label:<68} {val / GIB:10.4f} GiB" for label, val in phase.items]
-        return "\n".join(lines)
-
-
-@dataclass
-class Recipe:
-    """The memory-relevant settings of ``xtl fit --config FILE ...``, read by :func:`read_recipe`.
-
-    Attributes:
-        files (list[str]): The config files, in merge order.
-        model (str | dict | None): ``model.init_args.model`` as written (alias, HF directory, ``env:VAR``, or a
-            dict of config fields).
-        model_overrides (dict | None): ``model.init_args.model_overrides``.
-        setup (dict[str, Any]): The :class:`TrainSetup` fields the recipe decides.
-        read_from (dict[str, str]): For each setting, the recipe keys it was read from.
-        micro_batches_per_step (int): ``data.micro_batches_per_step``.
-        gpu_memory (int | None): Bytes of GPU memory the recipe targets (its ``# gpu-memory:`` line).
-        gpu_memory_file (str | None): The file that states ``gpu_memory``.
-    """
-
-    files: list[str]
-    model: str | dict | None
-    model_overrides: dict | None
-    setup: dict[str, Any]
-    read_from: dict[str, str]
-    micro_batches_per_step: int = 1
-    gpu_memory: int | None = None
-    gpu_memory_file: str | None = None
-
-    def to_dict(self) -> dict:
-        """Return a JSON-serializable dict.
-
-        Returns:
-            dict: The settings.
-        """
-        return asdict(self)
-
-    def render(self) -> str:
-        """Return the settings as text, one ``setting: value (read from)`` line each.
-
-        Returns:
-            str: Report text.
-        """
-        lines = [f"recipe: {' + '.join(self.files)} (merged as xtl fit merges them)"]
-        lines += [f"  {key}: {source}" for key, source in self.read_from.items()]
         return "\n".join(lines)
 
 
@@ -354,120 +310,6 @@ def model_dims(model: str | dict | DenseConfig | ModelDims) -> ModelDims:
             f"{model!r} is neither a config.json path, an HF model directory nor a known alias "
             f"(aliases: {', '.join(alias_names())})"
         ) from None
-
-
-def read_recipe(paths: Sequence[str | Path]) -> Recipe:
-    """Read the memory-relevant settings of ``xtl fit --config paths[0] --config paths[1] ...``.
-
-    The files are merged by ``xtl fit``'s own parser (jsonargparse under ``xtl.cli.XTLCLI``: later files override
-    earlier ones, ``callbacks+`` lists append) without instantiating anything, so the settings are those of the run.
-    Read: the model (``model.init_args.model`` and ``model_overrides``), GPUs (``trainer.devices`` x
-    ``trainer.num_nodes``), the strategy (``FSDPStrategy``: ZeRO-3, its ``expert_parallel_size`` and
-    ``param_dtype``), the sequence length (``data.pack_max_length``, one packed sequence per micro-batch),
-    ``data.micro_batches_per_step``, recompute from the ``ActivationCheckpointing`` callback (``mode``,
-    ``every_n_layers``; none without one), offload from the ``ActivationOffload`` callback (``every_n_layers``,
-    ``layers``), LoRA from the ``LoRA`` callback (``rank``, ``target_modules``; an
-    ``adapter_path``'s ``adapter_config.json`` as a run reads it) and the ``QLoRA`` callback, with the frozen
-    weights in the dtype ``xtl fit`` stores them (FSDP: fp32; one device: ``model.init_args.param_dtype``), and the
-    GPU memory the recipe targets from a ``# gpu-memory: 80GiB`` comment line (the last file stating one wins).
-
-    Args:
-        paths (Sequence[str | Path]): The recipe, then fragments.
-
-    Returns:
-        Recipe: The settings.
-
-    Raises:
-        ToolInputError: A missing file or one that does not parse; a layout ``xtl memory`` does not model
-            (``devices: auto``, a strategy other than ``FSDPStrategy`` on several GPUs, HSDP); two
-            checkpointing or two offload callbacks (a run applies one of each); two LoRA callbacks, or QLoRA
-            without LoRA.
-    """
-    files = [str(path) for path in paths]
-    for name in files:
-        if not Path(name).is_file():
-            raise ToolInputError(f"--config {name}: no such file")
-    config = _merged_config(files)
-    trainer, data = config.get("trainer") or {}, config.get("data") or {}
-    module = (config.get("model") or {}).get("init_args") or {}
-    setup: dict[str, Any] = {}
-    read_from: dict[str, str] = {"model": f"{module.get('model')!r} (model.init_args.model)"}
-
-    devices, nodes = trainer.get("devices", "auto"), trainer.get("num_nodes") or 1
-    setup.update(nodes=int(nodes), gpus_per_node=_device_count(devices))
-    gpus = setup["nodes"] * setup["gpus_per_node"]
-    read_from["gpus"] = f"{gpus} = trainer.devices {devices} x trainer.num_nodes {nodes}"
-
-    strategy_path, strategy_args = _class_and_args(trainer.get("strategy"))
-    if _is_subclass(strategy_path, "xtl.strategies", "FSDPStrategy"):
-        _check_fsdp_layout(strategy_args, gpus)
-        setup.update(zero=3, ep=int(strategy_args.get("expert_parallel_size") or 1))
-        read_from["zero"] = "3 (trainer.strategy FSDPStrategy)"
-        read_from["ep"] = f"{setup['ep']} (trainer.strategy.init_args.expert_parallel_size)"
-    elif gpus > 1:
-        raise ToolInputError(
-            f"trainer.strategy {strategy_path or trainer.get('strategy')!r} on {gpus} GPUs is not modelled: "
-            "xtl memory models xtl.strategies.FSDPStrategy (ZeRO-3)"
-        )
-    compute_bytes, dtype_source = _compute_dtype_bytes(strategy_args, trainer, module)
-    setup.update(param_bytes=compute_bytes, grad_bytes=compute_bytes, act_bytes=compute_bytes)
-    read_from["compute dtype"] = f"{compute_bytes}-byte parameters, gradients and activations ({dtype_source})"
-
-    if data.get("pack_max_length") is not None:
-        setup.update(seq_len=int(data["pack_max_length"]), micro_batch_size=1)
-        read_from["seq_len"] = f"{setup['seq_len']} (data.pack_max_length; one packed sequence per micro-batch)"
-    micro_batches = int(data.get("micro_batches_per_step") or 1)
-    read_from["micro_batches_per_step"] = f"{micro_batches} (data.micro_batches_per_step)"
-
-    callbacks = trainer.get("callbacks") or []
-    checkpointing = _callbacks_of(callbacks, "ActivationCheckpointing")
-    offload = _callbacks_of(callbacks, "ActivationOffload")
-    for name, found in (("ActivationCheckpointing", checkpointing), ("ActivationOffload", offload)):
-        if len(found) > 1:
-            raise ToolInputError(
-                f"the merged config has {len(found)} {name} callbacks; a run applies one (a layer cannot be "
-                "transformed twice): drop the fragment that adds the second"
-            )
-    if checkpointing:
-        options = checkpointing[0]
-        setup.update(recompute=options.get("mode", "full"), recompute_every_n_layers=options.get("every_n_layers", 1))
-        read_from["recompute"] = (
-            f"{setup['recompute']}, every_n_layers {setup['recompute_every_n_layers']} "
-            "(trainer.callbacks: ActivationCheckpointing)"
-        )
-    else:
-        setup["recompute"] = "none"
-        read_from["recompute"] = "none (no ActivationCheckpointing in trainer.callbacks)"
-    if offload:
-        options = offload[0]
-        layers = options.get("layers")
-        setup.update(
-            offload=True,
-            offload_every_n_layers=options.get("every_n_layers", 1),
-            offload_layers=tuple(layers) if layers is not None else None,
-        )
-        read_from["offload"] = f"{_offload_text(TrainSetup(**setup))} (trainer.callbacks: ActivationOffload)"
-    else:
-        setup["offload"] = False
-        read_from["offload"] = "off (no ActivationOffload in trainer.callbacks)"
-    fsdp = _is_subclass(strategy_path, "xtl.strategies", "FSDPStrategy")
-    _read_lora(callbacks, setup, read_from, _frozen_dtype_bytes(fsdp, trainer, module))
-
-    gpu_memory, gpu_memory_file = None, None
-    for name in files:
-        stated = GPU_MEMORY_COMMENT.findall(Path(name).read_text())
-        if stated:
-            gpu_memory, gpu_memory_file = _parse_memory_size(stated[-1], f"{name}: # gpu-memory:"), name
-    return Recipe(
-        files=files,
-        model=module.get("model"),
-        model_overrides=module.get("model_overrides"),
-        setup=setup,
-        read_from=read_from,
-        micro_batches_per_step=micro_batches,
-        gpu_memory=gpu_memory,
-        gpu_memory_file=gpu_memory_file,
-    )
 
 
 def recipe_model_dims(recipe: Recipe, model: str | None = None) -> ModelDims:
@@ -571,6 +413,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vpp", type=int, help="virtual pipeline stages per rank")
     parser.add_argument("--ep", type=int, help="expert parallel")
     parser.add_argument("--zero", type=int, choices=(1, 3), help="1: ZeRO-1, 3: FSDP (default)")
+    parser.add_argument(
+        "--dp-replicate", type=int, help="HSDP: replicas of each parameter shard (ZeRO-3; e.g. --nodes), default 1"
+    )
     parser.add_argument("--seq-len", type=int, help=f"tokens per sequence (default {d.seq_len}; 256 with --measure)")
     parser.add_argument("--micro-batch-size", type=int, help=f"default {d.micro_batch_size}")
     parser.add_argument(
@@ -740,7 +585,7 @@ def _config_from_hf_dict(fields: dict, where: str) -> DenseConfig:
 def _forward_activation_bytes(config: dict, seq_len: int) -> float:
     """Activation bytes of one fp32 forward without recomputation, of the dense model with HF fields ``config``."""
     dims = model_dims(config)
-    setup = TrainSetup(nodes=1, gpus_per_node=1, seq_len=seq_len, recompute=False, act_bytes=4)
+    setup = TrainSetup(nodes=1, gpus_per_node=1, seq_len=seq_len, recompute="none", act_bytes=4)
     parts = estimate_memory(dims, setup).parts
     layer = parts["layer_attn"]["acts"] + parts["layer_mlp"]["acts"]
     return parts["embed"]["acts"] + parts["head"]["acts"] + layer * dims.num_layers
@@ -787,175 +632,11 @@ def _int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected layer indices such as 0,2,5; got {text!r}") from None
 
 
-_MEMORY_UNITS = {"mib": 2**20, "gib": 2**30, "tib": 2**40, "mb": 10**6, "gb": 10**9, "tb": 10**12}
-
-
-def _parse_memory_size(text: str, where: str) -> int:
-    match = re.fullmatch(r"([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]+)", text.strip())
-    if not match or match.group(2).lower() not in _MEMORY_UNITS or float(match.group(1)) <= 0:
-        raise ToolInputError(f"{where} {text!r} is not a memory size such as 80GiB, 141GB or 40GiB")
-    return int(float(match.group(1)) * _MEMORY_UNITS[match.group(2).lower()])
-
-
 def _memory_size_arg(text: str) -> int:
     try:
-        return _parse_memory_size(text, "--gpu-memory")
+        return parse_memory_size(text, "--gpu-memory")
     except ToolInputError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _merged_config(files: list[str]) -> dict[str, Any]:
-    """The config ``xtl fit --config f1 --config f2 ...`` runs, parsed by xtl's CLI parser, nothing instantiated."""
-    from xtl.cli import XTLCLI, XTLArgumentParser  # imports Lightning: only with --config
-
-    class RaisingParser(XTLArgumentParser):
-        def error(self, message: str, ex: Exception | None = None) -> None:
-            first = next((line.strip() for line in str(message).splitlines() if line.strip()), "invalid config")
-            raise ToolInputError(f"--config {' '.join(files)}: {first}")
-
-    class ParseOnly(XTLCLI):
-        def init_parser(self, **kwargs: Any) -> XTLArgumentParser:
-            self.parser_class = RaisingParser
-            return super().init_parser(**kwargs)
-
-        def parse_arguments(self, parser: XTLArgumentParser, args: Any) -> None:
-            self.config = parser.parse_args(args)  # without LightningCLI's warning about sys.argv
-
-        def _set_seed(self) -> None:  # no global side effects
-            pass
-
-        def before_instantiate_classes(self) -> None:
-            pass
-
-        def instantiate_classes(self) -> None:
-            pass
-
-        def after_instantiate_classes(self) -> None:
-            pass
-
-    cli = ParseOnly(args=[arg for name in files for arg in ("--config", name)], run=False)
-    return cli.config.as_dict()
-
-
-def _device_count(devices: Any) -> int:
-    if isinstance(devices, (list, tuple)):
-        return len(devices)
-    if isinstance(devices, int) and devices > 0:
-        return devices
-    if isinstance(devices, str) and devices.strip().isdigit() and int(devices) > 0:
-        return int(devices)
-    if isinstance(devices, str) and "," in devices:
-        return len([d for d in devices.split(",") if d.strip()])
-    raise ToolInputError(f"trainer.devices is {devices!r}: give the GPUs per node with --gpus-per-node")
-
-
-def _class_and_args(value: Any) -> tuple[str | None, dict[str, Any]]:
-    if isinstance(value, dict):
-        return value.get("class_path"), value.get("init_args") or {}
-    return (value if isinstance(value, str) else None), {}
-
-
-def _is_subclass(class_path: str | None, module: str, name: str) -> bool:
-    """Whether ``class_path`` names ``module.name`` or a subclass of it."""
-    if not class_path or "." not in class_path:
-        return False
-    base = getattr(importlib.import_module(module), name)
-    owner, _, attr = class_path.rpartition(".")
-    try:
-        cls = getattr(importlib.import_module(owner), attr)
-    except (ImportError, AttributeError):
-        return False
-    return isinstance(cls, type) and issubclass(cls, base)
-
-
-def _check_fsdp_layout(init_args: dict[str, Any], gpus: int) -> None:
-    replicate, shard = init_args.get("data_parallel_replicate_size", 1), init_args.get("data_parallel_shard_size")
-    if replicate not in (None, 1) or shard not in (None, "auto", -1, gpus):
-        raise ToolInputError(
-            f"FSDPStrategy with data_parallel_replicate_size {replicate} / data_parallel_shard_size {shard} (HSDP) "
-            "is not modelled: xtl memory shards over all GPUs"
-        )
-
-
-_DTYPE_BYTES = {"bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2, "float32": 4, "fp32": 4, "float": 4}
-
-
-def _compute_dtype_bytes(strategy_args: dict[str, Any], trainer: dict[str, Any], module: dict[str, Any]) -> tuple:
-    """Size of the compute dtype and where it came from: the strategy's param_dtype, else precision, else model."""
-    candidates = [
-        (strategy_args.get("param_dtype"), "trainer.strategy.init_args.param_dtype"),
-        ("bfloat16" if str(trainer.get("precision", "")).startswith(("bf16", "16")) else None, "trainer.precision"),
-        (module.get("param_dtype") or "float32", "model.init_args.param_dtype"),
-    ]
-    value, source = next((v, src) for v, src in candidates if v is not None)
-    name = str(value).removeprefix("torch.").lower()
-    if name not in _DTYPE_BYTES:
-        raise ToolInputError(f"{source} {value!r} is not a dtype xtl memory knows ({', '.join(_DTYPE_BYTES)})")
-    return _DTYPE_BYTES[name], f"{source} {value}"
-
-
-def _callbacks_of(callbacks: list[Any], name: str, module: str = "xtl.callbacks") -> list[dict[str, Any]]:
-    """The ``init_args`` of the callbacks that are ``<module>.<name>`` (or subclasses)."""
-    found = []
-    for entry in callbacks:
-        class_path, init_args = _class_and_args(entry)
-        if _is_subclass(class_path, module, name):
-            found.append(init_args)
-    return found
-
-
-def _frozen_dtype_bytes(fsdp: bool, trainer: dict[str, Any], module: dict[str, Any]) -> tuple[int, str]:
-    """Size of the frozen weights as ``xtl fit`` stores them, and why: FSDP keeps every parameter in fp32; one
-    device keeps the model's ``param_dtype`` (a ``*-true`` 16-bit precision casts the model)."""
-    if fsdp:
-        return 4, "FSDPStrategy keeps fp32 parameters, trained or frozen"
-    precision = str(trainer.get("precision", ""))
-    if precision in ("bf16-true", "16-true"):
-        return 2, f"trainer.precision {precision}"
-    value = module.get("param_dtype") or "float32"
-    name = str(value).removeprefix("torch.").lower()
-    if name not in _DTYPE_BYTES:
-        raise ToolInputError(f"model.init_args.param_dtype {value!r} is not a dtype xtl memory knows")
-    return _DTYPE_BYTES[name], f"model.init_args.param_dtype {value}"
-
-
-def _read_lora(
-    callbacks: list[Any], setup: dict[str, Any], read_from: dict[str, str], frozen: tuple[int, str]
-) -> None:
-    """LoRA settings from the ``LoRA`` callback (rank, targets) and NF4 base weights from the ``QLoRA`` callback."""
-    loras = _callbacks_of(callbacks, "LoRA")
-    qloras = _callbacks_of(callbacks, "QLoRA", "xtl.callbacks.qlora")
-    if len(loras) > 1 or len(qloras) > 1:
-        raise ToolInputError(
-            f"the merged config has {len(loras)} LoRA and {len(qloras)} QLoRA callbacks; a run applies at most one "
-            "of each: drop the fragment that adds the second"
-        )
-    if not loras:
-        if qloras:
-            raise ToolInputError("the QLoRA callback needs a LoRA callback: add callbacks/lora.yaml before it")
-        read_from["lora"] = "off (no LoRA in trainer.callbacks)"
-        return
-    from xtl.callbacks import LoRA  # reads an adapter_path's adapter_config.json as a run does
-    from xtl.errors import ConfigError
-
-    try:
-        lora = LoRA(**loras[0])
-    except (ConfigError, TypeError) as exc:
-        raise ToolInputError(f"trainer.callbacks LoRA: {short_message(exc)}") from None
-    quantize = qloras[0] if qloras else {}
-    qlora = quantize.get("quantize_base", "nf4") if qloras else None
-    all_linear = bool(quantize.get("quantize_all_linear", False))
-    setup.update(
-        lora_rank=lora.rank,
-        lora_targets=tuple(lora.target_modules),
-        qlora=qlora is not None,
-        qlora_all_linear=all_linear,
-        frozen_bytes=frozen[0],
-    )
-    read_from["lora"] = f"rank {lora.rank} on {', '.join(lora.target_modules)} (trainer.callbacks: LoRA)"
-    scope = "every linear layer" if all_linear else "the adapted layers"
-    read_from["qlora"] = f"{qlora} for {scope} (trainer.callbacks: QLoRA)" if qlora else "off (no QLoRA callback)"
-    read_from["frozen weights"] = f"{frozen[0]}-byte ({frozen[1]})"
 
 
 def _lora_lines(s: TrainSetup) -> list[str]:
@@ -969,6 +650,10 @@ def _lora_lines(s: TrainSetup) -> list[str]:
         f"lora: rank {s.lora_rank} on {targets}; frozen base weights {s.stored_frozen_bytes}-byte{nf4}; gradients "
         "and Adam states for the adapters only"
     ]
+
+
+def _replicas_text(s: TrainSetup) -> str:
+    return f" (HSDP: {s.dp_replicate} replicas of {s.dp // s.dp_replicate} shards)" if s.dp_replicate > 1 else ""
 
 
 def _recompute_text(s: TrainSetup) -> str:
@@ -999,6 +684,8 @@ def _validate(dims: ModelDims, s: TrainSetup) -> None:
         problems.append("sizes must be >= 1")
     elif s.gpus % (s.tp * s.pp) or s.gpus % (s.ep * s.pp):
         problems.append(f"{s.gpus} GPUs are not divisible by tp*pp={s.tp * s.pp} and ep*pp={s.ep * s.pp}")
+    elif s.dp_replicate < 1 or s.dp % s.dp_replicate or (s.dp_replicate > 1 and (s.zero != 3 or s.ep > 1)):
+        problems.append(f"dp_replicate={s.dp_replicate} needs ZeRO-3 without ep and must divide dp={s.dp}")
     elif s.zero == 3 and s.pp > 1:
         problems.append("pipeline parallelism is modelled with --zero 1 (Megatron-style), not with FSDP")
     elif dims.num_layers % s.pp or (dims.num_layers // s.pp) % s.vpp:
@@ -1039,7 +726,7 @@ class _Estimator:
         self.local_layers = dims.num_layers // setup.pp
         # xtl's expert-parallel layout: dense parameters are sharded over all data-parallel ranks, routed experts
         # over the expert-data-parallel ranks (edp) after being split over ep
-        self.shard = setup.dp
+        self.shard = setup.dp // setup.dp_replicate
         self.expert_shard = setup.edp
         self._lora_cache: dict[int, dict[str, BlockLoRA]] = {}
         if setup.offload_layers is not None:
