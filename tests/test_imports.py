@@ -97,3 +97,38 @@ class TestImportGraph:
     @pytest.mark.parametrize("layer", range(len(LAYERS)))
     def test_the_layers_are_disjoint(self, layer):
         assert not set(LAYERS[layer]) & {n for i, names in enumerate(LAYERS) if i != layer for n in names}
+
+
+def probes(root: Path, packages: tuple[str, ...]) -> list[str]:
+    """``file:line call`` for each attribute probe by a literal name (``getattr(m, "layers")``, ``hasattr(m, "x")``)
+    and each ``isinstance(..., <...Strategy>)`` branch in the ``packages`` under ``root``."""
+    found = []
+    for name in packages:
+        for path in sorted((root / name).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or len(node.args) < 2:
+                    continue
+                call, second = node.func.id, node.args[1]
+                literal = isinstance(second, ast.Constant) and isinstance(second.value, str)
+                strategy = call == "isinstance" and "Strategy" in ast.unparse(second)
+                if (call in ("getattr", "hasattr") and literal) or strategy:
+                    found.append((str(path.relative_to(root)), node.lineno, ast.unparse(node)))
+    return [f"{path}:{line} {call}" for path, line, call in sorted(found)]
+
+
+class TestSeams:
+    """Transforms and strategies reach the model through its typed parts (``decoder_layers()``, ``moe_blocks()``,
+    ...) and the strategy through its hooks: no probing by attribute name, no branch on the strategy class."""
+
+    def test_no_probes_in_callbacks_and_strategies(self):
+        assert probes(PACKAGE, ("callbacks", "strategies")) == []
+
+    def test_the_scan_finds_a_probe(self, tmp_path):
+        (tmp_path / "callbacks").mkdir()
+        (tmp_path / "callbacks/bad.py").write_text(
+            "def f(model, strategy):\n    if isinstance(strategy, FSDPStrategy):\n"
+            "        return getattr(model, 'layers')\n    return hasattr(model.mlp, 'experts')\n"
+        )
+        assert [p.split(" ", 1)[0] for p in probes(tmp_path, ("callbacks",))] == [
+            "callbacks/bad.py:2", "callbacks/bad.py:3", "callbacks/bad.py:4",
+        ]  # fmt: skip

@@ -137,12 +137,6 @@ class SequenceContext:
         lengths = self.cu_seq_lens[1:] - self.cu_seq_lens[:-1]
         return torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths.long())
 
-    def block_causal_mask(self) -> torch.Tensor:
-        """Boolean ``(T, T)`` mask, True where query ``i`` may attend key ``j`` (same document, ``j <= i``)."""
-        doc = self.document_ids()
-        seq = torch.arange(doc.numel(), device=doc.device)
-        return (doc[:, None] == doc[None, :]) & (seq[None, :] <= seq[:, None])
-
 
 @dataclass
 class ModelOutput:

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 from xtl.model import get_model_config_from_hf
 from xtl.module.kv_cache import KVCache
 from xtl.ops import AttentionMaskSpec, hf_impl
-from xtl.train.generation import GenerationConfig, generate, greedy_generate, sample_next, split_thinking
+from xtl.train.generation import GenerationConfig, generate, sample_next, split_thinking
 
 from ..model.test_moe_parity import load_pair, save_tiny_moe
 
@@ -98,12 +98,6 @@ class TestGreedyEqualsTransformers:
             out = generate(model, PROMPTS, config).sequences
         assert out == expected
         assert out[0] == free[0][: free[0].index(stop) + 1]
-
-    def test_greedy_generate_is_one_prompt_of_generate(self, pair):
-        _, model = pair("qwen3")
-        config = GenerationConfig(max_new_tokens=NEW_TOKENS)
-        assert greedy_generate(model, PROMPTS[1], NEW_TOKENS) == generate(model, PROMPTS, config).sequences[1]
-        assert model.training is False
 
 
 class TestSampling:

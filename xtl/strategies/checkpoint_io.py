@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.plugins.io import TorchCheckpointIO
+from torch.distributed.checkpoint.metadata import Metadata
 
 from xtl.model.hf.errors import CheckpointError
 
@@ -136,7 +137,9 @@ def _dcp_problem(path: Path) -> str | None:
             metadata = pickle.load(f)
     except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ValueError) as err:
         return f"its {DCP_METADATA} cannot be read ({err})"
-    for info in getattr(metadata, "storage_data", {}).values():
+    if not isinstance(metadata, Metadata):
+        return f"its {DCP_METADATA} is not DCP metadata"
+    for info in (metadata.storage_data or {}).values():
         file = path / info.relative_path
         if not file.is_file():
             return f"its shard {info.relative_path} is missing"

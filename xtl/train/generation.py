@@ -137,18 +137,6 @@ def generate(
         model.train(was_training)
 
 
-def greedy_generate(
-    model: BaseModel, prompt_ids: list[int], max_new_tokens: int, stop_ids: set[int] | None = None
-) -> list[int]:
-    """Greedy continuation of one prompt (shorthand for :func:`generate`).
-
-    Returns:
-        The generated ids (without the prompt, including the stop token if reached).
-    """
-    config = GenerationConfig(max_new_tokens=max_new_tokens, stop_token_ids=tuple(sorted(stop_ids or ())))
-    return generate(model, [prompt_ids], config).sequences[0]
-
-
 def sample_next(logits: torch.Tensor, config: GenerationConfig, generator: torch.Generator | None) -> torch.Tensor:
     """Choose the next token of each row of ``logits`` ``(B, V)``: argmax, or a sample after temperature, top-k and
     top-p (in transformers' order)."""
