@@ -11,6 +11,7 @@ from xtl.errors import ConfigError
 from xtl.model import get_model_config_from_hf
 from xtl.train import AdamWConfig, LanguageModule, RouterTraining, family_of
 from xtl.train.family import DataRanks, RouterLosses
+from xtl.train.step import StepResult
 
 from .conftest import TINY_MODEL
 
@@ -215,7 +216,7 @@ class TestRouterTraining:
         loads = [{"tokens_per_expert": torch.tensor([[9.0, 1.0, 1.0, 1.0]] * len(module.model.moe_blocks()))}]
         (losses,) = module.family_training
         losses.start_step(1, torch.device("cpu"))
-        losses.after_optimizer_step(module.model, loads, torch.tensor(applied), DataRanks(1, lambda t: t))
+        module.after_optimizer_step(StepResult(torch.zeros(()), torch.ones(()), loads), torch.tensor(applied))
         after = block.gate.e_score_correction_bias
         assert torch.equal(after, before) != moves
         if moves:  # the overloaded expert becomes less likely, the others more
