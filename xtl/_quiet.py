@@ -40,6 +40,8 @@ _WARNING_NOISE = (
     r".*is_gradient_checkpointing. is deprecated",
     # a resumed run's checkpoint folder is not empty by design (xtl refuses a fresh run into a used one)
     r"Checkpoint directory .* exists and is not empty",
+    # LanguageModule cuts context-parallel shares in its own batch hook; the datamodule has none to override
+    r"You have overridden `on_before_batch_transfer` in `LightningModule`",
 )
 
 

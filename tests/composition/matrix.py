@@ -203,14 +203,25 @@ STRATEGIES = (
         "fsdp", 2, _FSDP, False, "FSDP2 on 2 ranks, `param_dtype: bfloat16`, `reduce_dtype: float32` (the GPU recipes)"
     ),
     Strategy("ep", 2, _FSDP + "      expert_parallel_size: 2\n", True, "FSDP2 + expert parallelism 2 (MoE families)"),
+    Strategy(
+        "cp",
+        2,
+        _FSDP + "      context_parallel_size: 2\n",
+        False,
+        "FSDP2 + context parallelism 2 (one packed sequence over both ranks, Ulysses attention)",
+    ),
 )
 
-# (family or "*", feature, strategy or "*") -> a text the startup refusal must contain
+# (family, feature, strategy; each may be "*") -> a text the startup refusal must contain (the first match)
 REFUSED: dict[tuple[str, str, str], str] = {
     ("*", "qlora", "fsdp"): "QLoRA is single-device",
     ("*", "qlora", "ep"): "QLoRA is single-device",
+    ("*", "qlora", "cp"): "QLoRA is single-device",
     ("vlm", "parity_check", "*"): "HFParityCheck compares decoder-only text models",
     ("vlm_moe", "parity_check", "*"): "HFParityCheck compares decoder-only text models",
+    ("*", "parity_check", "cp"): "HFParityCheck runs whole documents on each process",
+    ("vlm", "*", "cp"): "context_parallel_size > 1 splits packed text sequences",
+    ("vlm_moe", "*", "cp"): "context_parallel_size > 1 splits packed text sequences",
 }
 
 
@@ -231,7 +242,7 @@ class Cell:
     def refusal(self) -> str | None:
         """The text the refusal must contain, or ``None`` when the cell must train."""
         for (family, feature, strategy), text in REFUSED.items():
-            if feature == self.feature.name and family in ("*", self.family.name):
+            if feature in ("*", self.feature.name) and family in ("*", self.family.name):
                 if strategy in ("*", self.strategy.name):
                     return text
         return None

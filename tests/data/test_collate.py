@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from xtl.data import IGNORE_INDEX, MicroBatch, Pack, StepCollator, collate_pack
+from xtl.data.collate import split_for_context_parallel
 
 
 def _pack() -> Pack:
@@ -83,3 +84,52 @@ class TestPinnedTransfer:
         assert torch.equal(moved.labels.cpu(), mb.labels)
         assert torch.equal(moved.seq_ctx.position_ids.cpu(), mb.seq_ctx.position_ids)
         assert moved.seq_ctx.doc_bounds == mb.seq_ctx.doc_bounds
+
+
+def _random_pack(lengths: list[int], seed: int = 0) -> Pack:
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(1, 50, sum(lengths))
+    labels = np.where(rng.random(ids.size) < 0.3, IGNORE_INDEX, ids)  # some unsupervised tokens
+    return Pack(0, ids, labels, list(lengths))
+
+
+class TestSplitForContextParallel:
+    @pytest.mark.parametrize(
+        ("lengths", "pad_to", "size"),
+        [
+            ([7, 20, 3, 10, 8], None, 2),  # a document crosses the split point; one is shorter than a share
+            ([7, 20, 3, 10, 7], None, 2),  # 47 tokens: padded to 48 by a new padding pseudo-document
+            ([5, 9, 2], 20, 4),  # padded pack: the share boundary falls in the padding
+            ([30, 1, 2], 35, 4),  # 35 -> 36: the existing padding document grows
+        ],
+    )
+    def test_shares_make_up_the_pack(self, lengths, pad_to, size):
+        whole = collate_pack(_random_pack(lengths), pad_to=pad_to)
+        shares = [split_for_context_parallel(whole, rank, size) for rank in range(size)]
+        total = whole.seq_ctx.seq_len + (-whole.seq_ctx.seq_len % size)
+        assert {s.seq_ctx.seq_len for s in shares} == {total // size}
+        ids = torch.cat([s.seq_ctx.input_ids for s in shares], dim=1)
+        labels = torch.cat([s.labels for s in shares], dim=1)
+        positions = torch.cat([s.seq_ctx.position_ids for s in shares], dim=1)
+        n = whole.seq_ctx.seq_len
+        assert torch.equal(ids[:, :n], whole.seq_ctx.input_ids) and torch.equal(labels[:, :n], whole.labels)
+        assert torch.equal(positions[:, :n], whole.seq_ctx.position_ids), "positions of the whole pack"
+        assert (labels[:, n:] == IGNORE_INDEX).all(), "added padding is never supervised"
+        bounds = shares[0].seq_ctx.doc_bounds
+        assert all(s.seq_ctx.doc_bounds == bounds for s in shares) and bounds[-1] == total
+        assert bounds[: len(whole.seq_ctx.doc_bounds) - 1] == whole.seq_ctx.doc_bounds[:-1]
+        assert shares[0].seq_ctx.cu_seq_lens.tolist() == list(bounds)
+        assert sum(s.num_tokens for s in shares) == whole.num_tokens
+        assert sum(s.num_real_tokens for s in shares) == whole.num_real_tokens
+        assert [s.seq_ctx.num_padding for s in shares] == [s.seq_ctx.seq_len - s.num_real_tokens for s in shares]
+        for share in shares:  # the head runs on rows that hold every supervised label of the share
+            rows = share.seq_ctx.loss_positions
+            supervised = torch.nonzero(share.labels[0] != IGNORE_INDEX).flatten()
+            if rows is not None:
+                assert set(supervised.tolist()) <= set(rows.tolist())
+
+    def test_rank_r_keeps_run_r(self):
+        whole = collate_pack(_random_pack([6, 10]))
+        second = split_for_context_parallel(whole, 1, 2)
+        assert torch.equal(second.seq_ctx.input_ids, whole.seq_ctx.input_ids[:, 8:])
+        assert second.seq_ctx.position_ids.tolist() == [[2, 3, 4, 5, 6, 7, 8, 9]]

@@ -60,6 +60,14 @@ class GenerationEval(pl.Callback):
         self.batch_size = batch_size
         self.history: list[tuple[int, float]] = []
 
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Refuse context parallelism: decoding runs whole prompts on each process."""
+        if pl_module.parallelizer.layout.cp > 1:
+            raise ConfigError(
+                "GenerationEval decodes whole prompts on each process; with trainer.strategy.init_args."
+                "context_parallel_size > 1 drop callbacks/eval.yaml (or set the size to 1)"
+            )
+
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         """Evaluate every ``every_n_steps`` steps."""
         step = trainer.global_step

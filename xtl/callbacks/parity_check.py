@@ -108,13 +108,19 @@ class HFParityCheck(pl.Callback):
         """Refuse a model the check does not cover, before any weight is loaded.
 
         Raises:
-            ConfigError: For a vision-language model (the check compares decoder-only text models).
+            ConfigError: For a vision-language model (the check compares decoder-only text models), or under
+                context parallelism (it runs whole documents on each process).
         """
         config = pl_module.model_config
         if config.vision_language:
             raise ConfigError(
                 f"HFParityCheck compares decoder-only text models with transformers; {type(config).__name__} has a "
                 "vision tower: drop callbacks/parity_check.yaml from this run"
+            )
+        if pl_module.parallelizer.layout.cp > 1:
+            raise ConfigError(
+                "HFParityCheck runs whole documents on each process; with trainer.strategy.init_args."
+                "context_parallel_size > 1 drop callbacks/parity_check.yaml from this run"
             )
 
     def on_train_batch_start(

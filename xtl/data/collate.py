@@ -141,3 +141,53 @@ def loss_rows(supervised: np.ndarray, total: int, multiple: int = LOSS_ROW_MULTI
         return None
     unsupervised = np.setdiff1d(np.arange(total), supervised, assume_unique=True)
     return np.sort(np.concatenate([supervised, unsupervised[: count - supervised.size]]))
+
+
+def split_for_context_parallel(batch: MicroBatch, rank: int, size: int, pad_token_id: int = 0) -> MicroBatch:
+    """The share of a host-side micro-batch that context-parallel rank ``rank`` of ``size`` trains.
+
+    The pack is first padded to a multiple of ``size`` tokens (the padding joins the trailing padding
+    pseudo-document, or becomes one; labels -100), then cut into ``size`` equal runs of consecutive tokens; rank
+    ``r`` keeps run ``r``. Positions are those of the whole pack (computed before the cut), labels are cut the same
+    way, so the supervised tokens of all shares are exactly those of the pack. The document boundaries
+    (``cu_seq_lens``, ``doc_bounds``, ``max_seq_len``) stay those of the whole pack: attention gathers the whole
+    sequence (:class:`xtl.ops.ulysses.UlyssesAttention`). Images are not split (vision packs are refused earlier).
+
+    Args:
+        batch (MicroBatch): A collated micro-batch, on the host.
+        rank (int): This rank's place in its context-parallel group.
+        size (int): Ranks in the group.
+        pad_token_id (int): Id of padding tokens.
+
+    Returns:
+        MicroBatch: This rank's share (``num_tokens``, ``num_real_tokens`` and ``seq_ctx.num_padding`` count its own
+        tokens).
+    """
+    ctx, labels = batch.seq_ctx, batch.labels
+    total = ctx.seq_len
+    extra = -total % size
+    lengths, num_padding = ctx.lengths, ctx.num_padding
+    input_ids, position_ids = ctx.input_ids, ctx.position_ids
+    if extra:
+        lengths = [*lengths[:-1], lengths[-1] + extra] if num_padding else [*lengths, extra]
+        num_padding += extra
+        pad = input_ids.new_full((1, extra), pad_token_id)
+        whole = SequenceContext.from_lengths(torch.cat([input_ids, pad], dim=1), lengths, num_padding)
+        input_ids, position_ids = whole.input_ids, whole.position_ids
+        labels = torch.cat([labels, labels.new_full((1, extra), IGNORE_INDEX)], dim=1)
+        ctx = replace(ctx, cu_seq_lens=whole.cu_seq_lens, doc_bounds=whole.doc_bounds, num_padding=num_padding)
+    share = (total + extra) // size
+    start, end = rank * share, (rank + 1) * share
+    local_labels = labels[:, start:end]
+    supervised = np.flatnonzero(local_labels[0].numpy() != IGNORE_INDEX)
+    rows = loss_rows(supervised, share)
+    real = min(max(batch.num_real_tokens - start, 0), share)
+    padding_start = total + extra - num_padding  # padding ends the pack: each share holds its overlap with it
+    local = replace(
+        ctx,
+        num_padding=max(0, end - max(start, padding_start)),
+        input_ids=input_ids[:, start:end],
+        position_ids=position_ids[..., start:end],
+        loss_positions=torch.from_numpy(rows) if rows is not None else None,
+    )
+    return MicroBatch(local, local_labels, int(supervised.size), real, batch.pack_index)

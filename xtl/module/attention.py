@@ -7,11 +7,12 @@ from torch import nn
 
 from xtl.module.kv_cache import NO_LAYER_KV_CACHE, LayerKVCache
 from xtl.module.norm import RMSNorm
-from xtl.ops.attention import AttentionMaskSpec, get_attn_impl_fn
+from xtl.ops.attention import AttentionMaskSpec
 from xtl.ops.rope import apply_rotary_pos_emb
+from xtl.ops.ulysses import ContextParallelAttention
 
 
-class MultiHeadAttention(nn.Module):
+class MultiHeadAttention(ContextParallelAttention, nn.Module):
     """GQA attention with optional per-head q/k RMSNorm (Qwen3), qkv bias (Qwen2) and a sliding window.
 
     Args:
@@ -87,5 +88,4 @@ class MultiHeadAttention(nn.Module):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMaskSpec) -> torch.Tensor:
         """The attention core on rotated ``q``/``k`` and ``v``, through the selected implementation."""
-        attn = get_attn_impl_fn(self.attn_impl)
-        return attn(q, k, v, mask, self.scaling, self.dropout if self.training else 0.0)
+        return self.attention_fn()(q, k, v, mask, self.scaling, self.dropout if self.training else 0.0)

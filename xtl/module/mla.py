@@ -11,9 +11,10 @@ from xtl.module.norm import RMSNorm
 from xtl.ops.attention import AttentionMaskSpec, flash_attention, get_attn_impl_fn
 from xtl.ops.rope import apply_rotary_pos_emb
 from xtl.ops.rope_interleave import apply_rotary_pos_emb_interleave
+from xtl.ops.ulysses import ContextParallelAttention
 
 
-class MultiLatentAttention(nn.Module):
+class MultiLatentAttention(ContextParallelAttention, nn.Module):
     """MLA with optional q LoRA, decoupled rotary dims and interleaved rotary pairs.
 
     Queries: ``q_b(norm(q_a(x)))`` (or ``q_proj(x)`` without q LoRA) split into ``qk_nope_head_dim`` plain and
@@ -54,6 +55,7 @@ class MultiLatentAttention(nn.Module):
     ) -> None:
         super().__init__()
         self.num_heads = num_heads
+        self.num_kv_heads = num_heads  # the latent expands to one key/value head per query head
         self.kv_lora_rank = kv_lora_rank
         self.qk_nope_head_dim = qk_nope_head_dim
         self.qk_rope_head_dim = qk_rope_head_dim
@@ -105,8 +107,9 @@ class MultiLatentAttention(nn.Module):
         q = torch.cat((q_pass, q_rot), dim=-1)
         k, v = kv_cache.update(*self._expand_kv(kv_latent, k_rot))
 
-        attn = get_attn_impl_fn(self.attn_impl)
-        pad = attn is flash_attention and self.v_head_dim != self.qk_head_dim  # flash needs equal head dims
+        attn = self.attention_fn()
+        flash = get_attn_impl_fn(self.attn_impl) is flash_attention
+        pad = flash and self.v_head_dim != self.qk_head_dim  # flash needs equal head dims
         if pad:
             v = F.pad(v, (0, self.qk_head_dim - self.v_head_dim))
         out = attn(q, k, v, mask, self.scaling, self.dropout if self.training else 0.0)

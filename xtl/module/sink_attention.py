@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from xtl.module.attention import MultiHeadAttention
-from xtl.ops.attention import AttentionMaskSpec, get_attn_impl_fn
+from xtl.ops.attention import AttentionMaskSpec
 
 
 class SinkAttention(MultiHeadAttention):
@@ -20,5 +20,5 @@ class SinkAttention(MultiHeadAttention):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMaskSpec) -> torch.Tensor:
         """The attention core with this layer's sink logits."""
-        attn = get_attn_impl_fn(self.attn_impl)
+        attn = self.attention_fn()
         return attn(q, k, v, mask, self.scaling, self.dropout if self.training else 0.0, sinks=self.sinks)

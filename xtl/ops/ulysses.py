@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
 
-from xtl.ops.attention import AttentionMaskSpec, AttnFn, repeat_kv
+from xtl.ops.attention import AttentionMaskSpec, AttnFn, get_attn_impl_fn, repeat_kv
 
 
 def ulysses_kv_repeats(num_heads: int, num_kv_heads: int, cp: int) -> int:
@@ -35,6 +35,34 @@ def ulysses_kv_repeats(num_heads: int, num_kv_heads: int, cp: int) -> int:
             f"size that divides {num_heads}"
         )
     return cp // math.gcd(num_kv_heads, cp)
+
+
+class ContextParallelAttention:
+    """Mixin of an attention module: its kernel, wrapped by :class:`UlyssesAttention` once the module belongs to a
+    context-parallel group (:meth:`use_context_parallel`, called by the strategy on ``model.attention_modules()``).
+
+    The module sets ``attn_impl``, ``num_heads`` and ``num_kv_heads`` (the key/value heads its kernel receives).
+    """
+
+    attn_impl: str
+    num_heads: int
+    num_kv_heads: int
+    context_group: dist.ProcessGroup | None = None
+
+    def use_context_parallel(self, group: dist.ProcessGroup) -> None:
+        """Attend through Ulysses over ``group`` from now on.
+
+        Raises:
+            ValueError: The group's size does not divide the query heads.
+        """
+        ulysses_kv_repeats(self.num_heads, self.num_kv_heads, dist.get_world_size(group))
+        self.context_group = group
+
+    def attention_fn(self) -> AttnFn:
+        """The kernel this module attends with (:func:`~xtl.ops.attention.get_attn_impl_fn` of ``attn_impl``,
+        resolved per call so the HF-parity selector applies live)."""
+        attn = get_attn_impl_fn(self.attn_impl)
+        return attn if self.context_group is None else UlyssesAttention(attn, self.context_group)
 
 
 class UlyssesAttention:

@@ -49,7 +49,7 @@ def split_experts(model: BaseModel, ep_mesh: DeviceMesh) -> list[nn.Module]:
 
 
 def shard_experts(experts_modules: list[nn.Module], meshes: ParallelMeshes, fsdp_kwargs: dict[str, Any]) -> None:
-    """FSDP2 on each expert module over ``edp``, averaging gradients over the whole data-parallel size.
+    """FSDP2 on each expert module over ``edp``, averaging gradients over every rank (as the dense parameters).
 
     On gloo (no ``PREMUL_SUM``) the reduction is forced to a sum followed by the division, but only when ``edp``
     has more than one rank: torch 2.13 divides twice when a size-1 mesh forces the sum.
@@ -59,6 +59,6 @@ def shard_experts(experts_modules: list[nn.Module], meshes: ParallelMeshes, fsdp
     gloo = dist.get_backend(meshes.edp.get_group()) == "gloo"
     for experts in experts_modules:
         fully_shard(experts, **{**fsdp_kwargs, "mesh": meshes.edp})
-        experts.set_gradient_divide_factor(float(meshes.layout.dp_size))
+        experts.set_gradient_divide_factor(float(meshes.layout.world_size))
         if gloo and meshes.edp.size() > 1:
             experts.set_force_sum_reduction_for_comms(True)

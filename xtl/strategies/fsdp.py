@@ -35,6 +35,11 @@ class FSDPStrategy(ShardedStrategyMixin, ModelParallelStrategy):
     (:mod:`xtl.strategies.expert_parallel`): MoE experts are split over ``ep`` and exchange tokens by all-to-all,
     and every rank still sees different data.
 
+    With ``context_parallel_size`` (``cp``) > 1, each group of ``cp`` consecutive ranks trains one packed sequence:
+    every rank holds ``1 / cp`` of its tokens (split on the host, :func:`xtl.data.collate.split_for_context_parallel`)
+    and attention exchanges heads for tokens (Ulysses, :mod:`xtl.ops.ulysses`); the ``cp`` ranks shard the
+    parameters with the others. ``data_parallel_shard_size`` is then what ``cp`` and replication leave.
+
     Checkpoints are DCP directories written atomically (temporary name, then rename), so a run killed mid-save
     resumes from the previous good checkpoint. With ``async_save`` the tensors of a checkpoint are copied to CPU
     memory and written by a background thread while training goes on; the rename waits until the write is complete
@@ -52,6 +57,8 @@ class FSDPStrategy(ShardedStrategyMixin, ModelParallelStrategy):
         process_group_backend: ``gloo``/``nccl`` (default from the device).
         expert_parallel_size: Ranks the routed experts of each MoE layer are split over (divides the world size
             and the expert count; 1: every rank holds every expert).
+        context_parallel_size: Ranks that share one packed sequence (divides the world size and the attention
+            heads; 1: every rank trains whole sequences).
         async_save: Write the model and optimizer state of distributed checkpoints in the background
             (``torch.distributed.checkpoint.async_save``: staged to CPU memory, then written while training
             continues); needs ``save_distributed_checkpoint``.
@@ -69,6 +76,7 @@ class FSDPStrategy(ShardedStrategyMixin, ModelParallelStrategy):
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         expert_parallel_size: int = 1,
+        context_parallel_size: int = 1,
         async_save: bool = False,
         **kwargs: Any,
     ) -> None:
@@ -92,6 +100,7 @@ class FSDPStrategy(ShardedStrategyMixin, ModelParallelStrategy):
         self.reshard_after_forward = reshard_after_forward
         self.cpu_offload = cpu_offload
         self.expert_parallel_size = expert_parallel_size
+        self.context_parallel_size = context_parallel_size
         self.async_save = async_save
         self._expert_modules: list = []
         self._pending_save: _PendingSave | None = None
@@ -109,7 +118,9 @@ class FSDPStrategy(ShardedStrategyMixin, ModelParallelStrategy):
                 "CPU; with accelerator cpu they are on the CPU already: remove cpu_offload (or train on GPUs)"
             )
         replicate, shard = self.data_parallel_replicate_size, self.data_parallel_shard_size
-        self.layout = ParallelLayout.for_world(self.world_size, replicate, shard, self.expert_parallel_size)
+        self.layout = ParallelLayout.for_world(
+            self.world_size, replicate, shard, self.expert_parallel_size, self.context_parallel_size
+        )
         self.meshes = self.layout.build(self.root_device.type)
 
     @property

@@ -5,8 +5,9 @@ Ranks are laid out as ``dp_replicate x dp_shard x cp`` (``cp`` innermost):
 - ``dp_replicate`` x ``dp_shard``: data parallelism; every such rank reads its own data. Parameters are sharded
   over ``dp_shard`` (FSDP2) and replicated over ``dp_replicate`` (HSDP when it is > 1: replicate across nodes,
   shard within one).
-- ``cp``: context parallelism; the ranks of a ``cp`` group share one sequence (a reserved dimension: xtl's
-  strategies build layouts with ``cp = 1`` until sequence sharding lands) and shard parameters with ``dp_shard``.
+- ``cp``: context parallelism; the ranks of a ``cp`` group (consecutive ranks) share one packed sequence, each
+  holding ``1 / cp`` of its tokens (attention exchanges heads for tokens, :mod:`xtl.ops.ulysses`), and shard
+  parameters with ``dp_shard``.
 - ``ep``: expert parallelism inside the shard group: the routed experts are split over ``ep`` ranks and each expert
   slice is FSDP-sharded over the ``edp = dp_shard * cp / ep`` others.
 
@@ -63,20 +64,31 @@ class ParallelLayout:
 
     @classmethod
     def for_world(
-        cls, world_size: int, dp_replicate: int = 1, dp_shard: int | Literal["auto"] = "auto", ep: int = 1
+        cls,
+        world_size: int,
+        dp_replicate: int = 1,
+        dp_shard: int | Literal["auto"] = "auto",
+        ep: int = 1,
+        cp: int = 1,
     ) -> ParallelLayout:
-        """The layout of ``world_size`` ranks; ``dp_shard: auto`` takes what replication leaves.
+        """The layout of ``world_size`` ranks; ``dp_shard: auto`` takes what replication and ``cp`` leave.
 
         Raises:
             ConfigError: The sizes do not multiply to the world size, naming the strategy's keys.
         """
-        shard = world_size // dp_replicate if dp_shard == "auto" else int(dp_shard)
-        if dp_replicate < 1 or dp_replicate * shard != world_size:
+        if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1 or world_size % cp:
             raise ConfigError(
-                f"{KEY}: data_parallel_replicate_size ({dp_replicate}) x data_parallel_shard_size ({shard}) must "
-                f"equal the number of processes ({world_size} = trainer.num_nodes x trainer.devices)"
+                f"{KEY}.context_parallel_size ({cp}) must divide the number of processes ({world_size} = "
+                "trainer.num_nodes x trainer.devices)"
             )
-        return cls(dp_replicate=dp_replicate, dp_shard=shard, ep=ep)
+        shard = world_size // (dp_replicate * cp) if dp_shard == "auto" else int(dp_shard)
+        if dp_replicate < 1 or dp_replicate * shard * cp != world_size:
+            raise ConfigError(
+                f"{KEY}: data_parallel_replicate_size ({dp_replicate}) x data_parallel_shard_size ({shard}) x "
+                f"context_parallel_size ({cp}) must equal the number of processes ({world_size} = "
+                "trainer.num_nodes x trainer.devices)"
+            )
+        return cls(dp_replicate=dp_replicate, dp_shard=shard, cp=cp, ep=ep)
 
     @property
     def world_size(self) -> int:
@@ -102,6 +114,10 @@ class ParallelLayout:
         """The data-parallel rank of global ``rank`` (the ranks of one ``cp`` group read the same data)."""
         return rank // self.cp
 
+    def context_rank(self, rank: int) -> int:
+        """Which share of its group's sequence global ``rank`` holds (``0 .. cp - 1``)."""
+        return rank % self.cp
+
     def describe(self) -> str:
         """``dp_replicate 2 x dp_shard 4 x cp 1, ep 2 (edp 2)``."""
         text = f"dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard} x cp {self.cp}"
@@ -111,16 +127,20 @@ class ParallelLayout:
         """The device meshes and process groups of this layout (collective: every rank calls it)."""
         if self.world_size == 1:
             return ParallelMeshes(self, None, None, None, None)
+        cp = None
+        if self.cp > 1:  # consecutive ranks share a sequence
+            cp = init_device_mesh(device_type, (self.world_size // self.cp, self.cp), mesh_dim_names=("rest", "cp"))
+            cp = cp["cp"]
         if self.ep > 1:
             mesh = init_device_mesh(device_type, (self.edp, self.ep), mesh_dim_names=("edp", "ep"))
             fsdp = mesh["edp", "ep"]._flatten("dp_shard")
-            return ParallelMeshes(self, fsdp, fsdp, mesh["ep"], mesh["edp"])
+            return ParallelMeshes(self, fsdp, fsdp, mesh["ep"], mesh["edp"], cp)
         mesh = init_device_mesh(
             device_type, (self.dp_replicate, self.dp_shard * self.cp), mesh_dim_names=("dp_replicate", "dp_shard")
         )
         data = mesh["dp_replicate", "dp_shard"]._flatten("data")
         fsdp = mesh if self.dp_replicate > 1 else mesh["dp_shard"]
-        return ParallelMeshes(self, data, fsdp, None, None)
+        return ParallelMeshes(self, data, fsdp, None, None, cp)
 
 
 @dataclass
@@ -134,6 +154,7 @@ class ParallelMeshes:
             for HSDP.
         ep: This rank's expert-parallel group.
         edp: This rank's expert-data-parallel group (each expert slice is sharded over it).
+        cp: This rank's context-parallel group (the ranks that share its sequence).
     """
 
     layout: ParallelLayout
@@ -141,7 +162,12 @@ class ParallelMeshes:
     fsdp: DeviceMesh | None
     ep: DeviceMesh | None
     edp: DeviceMesh | None
+    cp: DeviceMesh | None = None
 
     def data_group(self) -> dist.ProcessGroup | None:
         """The process group of :attr:`data` (``None`` on one rank)."""
         return None if self.data is None else self.data.get_group()
+
+    def cp_group(self) -> dist.ProcessGroup | None:
+        """The process group of :attr:`cp` (``None`` without context parallelism)."""
+        return None if self.cp is None else self.cp.get_group()

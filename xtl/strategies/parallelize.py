@@ -5,10 +5,11 @@ A meta-device model becomes a trainable one in exactly this order (``Parallelizi
 1. model transforms contributed by callbacks (``TransformStage.MODEL``: LoRA, fp8, ...), in callback order;
 2. activation checkpointing / offload (``TransformStage.ACTIVATION``);
 3. compile (``TransformStage.COMPILE``);
-4. expert parallelism (``ParallelizingStrategy.apply_expert_parallel``: experts split, dispatcher installed);
-5. data-parallel sharding (``ParallelizingStrategy.apply_data_parallel``: FSDP2 over the model's shard units);
-6. weight load (``from_hf``) or seeded initialization, then the parameter dtype;
-7. each transform's ``after_weights`` (same order as 1-3), e.g. quantizing frozen base weights for QLoRA.
+4. context parallelism (``ParallelizingStrategy.apply_context_parallel``: attention through Ulysses over ``cp``);
+5. expert parallelism (``ParallelizingStrategy.apply_expert_parallel``: experts split, dispatcher installed);
+6. data-parallel sharding (``ParallelizingStrategy.apply_data_parallel``: FSDP2 over the model's shard units);
+7. weight load (``from_hf``) or seeded initialization, then the parameter dtype;
+8. each transform's ``after_weights`` (same order as 1-3), e.g. quantizing frozen base weights for QLoRA.
 
 The two protocols are abstract base classes, so taking part is declared by subclassing, never discovered:
 
@@ -32,6 +33,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from xtl.errors import ConfigError
 from xtl.model import BaseModel
 from xtl.strategies.layout import ParallelLayout, ParallelMeshes
 
@@ -158,6 +160,7 @@ class ParallelizingStrategy(ABC):
         """Run the ordered sequence on ``model`` (built on ``meta``) and return the trainable model."""
         for transform in sorted(transforms, key=lambda t: t.transform_stage):  # stable: callback order per stage
             model = transform.transform_model(model)
+        model = self.apply_context_parallel(model)
         model = self.apply_expert_parallel(model)
         model = self.apply_data_parallel(model)
         if weights.hf_dir is not None:
@@ -170,6 +173,28 @@ class ParallelizingStrategy(ABC):
         model = self.apply_param_dtype(model, weights.dtype)
         for transform in sorted(transforms, key=lambda t: t.transform_stage):
             model = transform.after_weights(model)
+        return model
+
+    def apply_context_parallel(self, model: BaseModel) -> BaseModel:
+        """Make every attention module attend the whole sequence of the ``cp`` group (Ulysses); no-op at ``cp = 1``.
+
+        Raises:
+            ConfigError: A vision-language model, or a ``cp`` that does not divide the attention heads.
+        """
+        group = self.meshes.cp_group()
+        if group is None:
+            return model
+        key = "trainer.strategy.init_args.context_parallel_size"
+        if model.vision_blocks() is not None:
+            raise ConfigError(
+                f"{key} > 1 splits packed text sequences; {type(model).__name__} merges image features into its "
+                "sequence, which context parallelism does not split yet: set it to 1 for vision-language models"
+            )
+        for module in model.attention_modules():
+            try:
+                module.use_context_parallel(group)
+            except ValueError as err:
+                raise ConfigError(f"{key}: {err}") from None
         return model
 
     def apply_expert_parallel(self, model: BaseModel) -> BaseModel:

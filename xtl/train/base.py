@@ -17,6 +17,7 @@ import torchmetrics
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
+from xtl.data.collate import MicroBatch, split_for_context_parallel
 from xtl.errors import ConfigError, did_you_mean
 from xtl.model import BaseModel, ModelOutput
 from xtl.strategies.parallelize import ModelTransform, ParallelizingStrategy, SingleDevice, WeightSource
@@ -148,6 +149,20 @@ class LanguageModule(pl.LightningModule):
                     f"the tokenizer {datamodule.tokenizer_path!r} has {size} tokens but the model's vocab_size is "
                     f"{self.model_config.vocab_size}; set model vocab_size >= {size} (or use a matching tokenizer)"
                 )
+        if stage == "predict" and self.parallelizer.layout.cp > 1:
+            raise ConfigError(
+                "xtl predict / generate decode whole prompts on each process: set "
+                "trainer.strategy.init_args.context_parallel_size to 1 for them"
+            )
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """With context parallelism, keep this rank's share of each packed micro-batch (cut on the host, before the
+        copy to the device: :func:`~xtl.data.collate.split_for_context_parallel`)."""
+        layout = self.parallelizer.layout
+        if layout.cp == 1 or not isinstance(batch, list) or not all(isinstance(b, MicroBatch) for b in batch):
+            return batch
+        rank = layout.context_rank(self.global_rank)
+        return [split_for_context_parallel(mb, rank, layout.cp) for mb in batch]
 
     def forward(self, *args: Any, **kwargs: Any) -> ModelOutput:
         """Call the underlying xtl model."""
@@ -365,8 +380,9 @@ class LanguageModule(pl.LightningModule):
         return list(self._trainer.callbacks) if self._trainer is not None else []
 
     def _dp_world_size(self) -> int:
-        """Ranks reading different data: the gradient reduction averages over them."""
-        return self.parallelizer.layout.dp_size
+        """Ranks the gradient reduction averages over: every rank, data- and context-parallel (the ``cp`` ranks of
+        a sequence each hold a share of its tokens)."""
+        return self.parallelizer.layout.world_size
 
     def _sum_over_data_ranks(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` summed in place over the ranks of the data group (unchanged on one rank)."""

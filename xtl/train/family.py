@@ -148,11 +148,18 @@ class RouterLosses(FamilyTraining):
     def after_optimizer_step(
         self, model: BaseModel, outputs: list[dict[str, Any]], applied: torch.Tensor, ranks: DataRanks
     ) -> None:
-        """The max-violation metric from the step's expert loads, and the bias update (none on a skipped step)."""
+        """The max-violation metric from the step's expert loads, the logged losses summed over the data ranks (each
+        rank holds its tokens' share of them), and the bias update (none on a skipped step)."""
         loads = [out["tokens_per_expert"] for out in outputs if "tokens_per_expert" in out]
         if not loads:
             return
-        total = ranks.sum(torch.stack(loads).sum(0).float())
+        local = torch.stack(loads).sum(0).float()
+        shares = torch.stack(
+            [self._log.get(k, local.new_zeros(())).to(local.device) for k in ("balance_loss", "z_loss")]
+        )
+        summed = ranks.sum(torch.cat([local.flatten(), shares]))
+        total = summed[:-2].view_as(local)
+        self._log["balance_loss"], self._log["z_loss"] = summed[-2], summed[-1]
         mean = total.mean(dim=-1, keepdim=True).clamp(min=1e-9)
         self._log["maxvio"] = ((total.max(dim=-1, keepdim=True).values - mean) / mean).mean()
         if self.settings.bias_update_lr > 0:
