@@ -270,13 +270,20 @@ class Cell:
 
 
 # The GPU recipes' own trainer, strategy and callback settings on 2 CPU ranks, with a tiny model and data.
-GPU_RECIPES = ("qwen3_0.6b_sft.yaml", "llama3.1_8b_sft.yaml", "qwen3_8b_pretrain.yaml", "qwen3_30b_a3b_sft.yaml")
+GPU_RECIPES = (
+    "qwen3_0.6b_sft.yaml",
+    "llama3.1_8b_sft.yaml",
+    "qwen3_8b_pretrain.yaml",
+    "qwen3_30b_a3b_sft.yaml",
+    "qwen3_8b_long_context.yaml",
+)
 RECIPE_STEPS = 3
 
 
 def recipe_runs(config_dir: Path, work: Path) -> dict[str, tuple[list[str], str]]:
     """``recipe-<name> -> (--config arguments, root folder)`` of each GPU recipe with CPU-sized overrides: the
-    accelerator, 2 devices (EP 2 where the recipe sets EP), a CSV logger, tiny model, tokenizer and data."""
+    accelerator, 2 devices (EP 2 where the recipe sets EP, CP 2 where it sets CP), a CSV logger, tiny model,
+    tokenizer and data."""
     runs = {}
     for recipe in GPU_RECIPES:
         name = f"recipe-{recipe.removesuffix('.yaml')}"
@@ -286,7 +293,8 @@ def recipe_runs(config_dir: Path, work: Path) -> dict[str, tuple[list[str], str]
                  "moe_intermediate_size": 16} if moe else {"model_type": "qwen3", **_TEXT}  # fmt: skip
         source = {"path": "tiny:pretrain.jsonl", "kind": "text"} if "kind: text" in text else {
             "path": "tiny:sft_train.jsonl", "kind": "chat"}  # fmt: skip
-        strategy = "{process_group_backend: gloo" + (", expert_parallel_size: 2}" if moe else "}")
+        strategy = "{process_group_backend: gloo" + (", expert_parallel_size: 2" if moe else "")
+        strategy += ", context_parallel_size: 2}" if "context_parallel_size" in text else "}"
         override = config_dir / f"{name}.yaml"
         override.write_text(
             f"trainer:\n  accelerator: cpu\n  devices: 2\n  max_steps: {RECIPE_STEPS}\n  val_check_interval: null\n"

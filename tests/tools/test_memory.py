@@ -251,6 +251,25 @@ class TestParallelLayouts:
         assert two.parts["layer_mlp"]["params"] == pytest.approx(one.parts["layer_mlp"]["params"] / 2)
         assert two.parts["layer_attn"]["acts"] == pytest.approx(one.parts["layer_attn"]["acts"] / 2)
 
+    def test_context_parallel_divides_the_tokens_of_a_gpu(self) -> None:
+        """cp 2 at 2L tokens keeps what cp 1 keeps at L, plus Ulysses' local attention output and its buffers."""
+        one = estimate_memory("qwen3-8b", TrainSetup(seq_len=4096, recompute="none"))
+        two = estimate_memory("qwen3-8b", TrainSetup(seq_len=8192, recompute="none", cp=2))
+        dims = model_dims("qwen3-8b")
+        q = dims.num_heads * dims.head_dim * 2 * 4096  # bf16 q-sized tensor of 4096 local tokens
+        assert two.parts["layer_mlp"]["acts"] == one.parts["layer_mlp"]["acts"]
+        assert two.parts["layer_attn"]["acts"] == one.parts["layer_attn"]["acts"] + q  # o_proj's local input
+        assert two.parts["layer_attn"]["params"] == one.parts["layer_attn"]["params"], "sharded over all 8 GPUs"
+        (buffers,) = [v for k, v in two.phases["micro1_forward_end"].items if k.startswith("Ulysses")]
+        kv = dims.num_kv_heads * dims.head_dim * 2 * 4096
+        assert buffers == 2 * (2 * q + 2 * kv)
+        # 16 GPUs of one sequence: 8 key/value heads are repeated twice to split evenly
+        sixteen = estimate_memory("qwen3-8b", TrainSetup(nodes=2, seq_len=16384, recompute="none", cp=16))
+        (buffers,) = [v for k, v in sixteen.phases["micro1_forward_end"].items if k.startswith("Ulysses")]
+        assert buffers == 2 * (2 * q + 2 * 2 * kv) / 4
+        with pytest.raises(ToolInputError, match="cp=3 is modelled with ZeRO-3 and tp 1"):
+            estimate_memory("qwen3-8b", TrainSetup(nodes=3, cp=3))
+
     def test_expert_parallel_shards_expert_states(self) -> None:
         base = TrainSetup(nodes=2, seq_len=4096)
         ep1 = estimate_memory("qwen3-30b-a3b", base)
@@ -551,6 +570,11 @@ class TestRecipeConfig:
         assert memory.main(["qwen3-30b-a3b", "--dp-replicate", "2", "--ep", "8"]) == 2
         assert "needs ZeRO-3 without ep" in capsys.readouterr().err
 
+    def test_a_context_parallel_recipe(self) -> None:
+        read = memory.read_recipe([ROOT / "configs/qwen3_8b_long_context.yaml"])
+        assert (read.setup["cp"], read.setup["seq_len"], read.setup["gpus_per_node"]) == (4, 65536, 8)
+        assert "dp_shard 2 x cp 4" in read.read_from["layout"]
+
     def test_a_transform_states_its_own_memory_settings(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         """The reader asks each model-transform callback, so a callback xtl has never seen is read."""
         (tmp_path / "my_transforms.py").write_text(
@@ -583,6 +607,7 @@ RECIPES = {
     "qwen3_8b_pretrain.yaml": "qwen3-8b",
     "llama3.1_8b_sft.yaml": "llama3.1-8b",
     "qwen3_30b_a3b_sft.yaml": "qwen3-30b-a3b",
+    "qwen3_8b_long_context.yaml": "qwen3-8b",
 }
 
 

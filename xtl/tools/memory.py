@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
@@ -97,6 +98,10 @@ class TrainSetup:
         zero (int): 1 (optimizer states sharded) or 3 (FSDP: parameters, gradients and states sharded).
         dp_replicate (int): ZeRO-3 replicas (HSDP, xtl's ``ParallelLayout.dp_replicate``): parameters, gradients
             and states are sharded over the ``dp / dp_replicate`` ranks of one replica.
+        cp (int): Context-parallel size (ZeRO-3): each group of ``cp`` GPUs trains one sequence, ``1 / cp`` of its
+            tokens each, with Ulysses attention (the gathered q/k/v/output of ``heads / cp`` heads, key/value heads
+            repeated up to a multiple of ``cp``, and one block's all-to-all buffers); parameters are sharded over
+            all ``dp`` ranks, the ``cp`` ones included.
         seq_len (int): Tokens per sequence.
         micro_batch_size (int): Sequences per micro-batch.
         recompute (str): Activation checkpointing of the decoder layers: ``none``, ``full`` (a layer keeps its
@@ -131,6 +136,7 @@ class TrainSetup:
     ep: int = 1
     zero: int = 3
     dp_replicate: int = 1
+    cp: int = 1
     seq_len: int = 4096
     micro_batch_size: int = 1
     recompute: str = "full"
@@ -230,7 +236,7 @@ class MemoryEstimate:
         s, p = self.setup, self.params
         lines = [
             f"model {self.model}: zero {s.zero}, gpus {s.gpus}, dp {s.dp}{_replicas_text(s)}, tp {s.tp}, pp {s.pp}, "
-            f"vpp {s.vpp}, "
+            f"vpp {s.vpp}, cp {s.cp}, "
             f"ep {s.ep}, micro-batch {s.micro_batch_size} x {s.seq_len} tokens, recompute {_recompute_text(s)}, "
             f"offload {_offload_text(s)}, flash-attn {s.flash_attn}, chunk-loss {s.chunk_loss or 'off'}, "
             f"activations {s.act_bytes}-byte",
@@ -416,6 +422,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dp-replicate", type=int, help="HSDP: replicas of each parameter shard (ZeRO-3; e.g. --nodes), default 1"
     )
+    parser.add_argument("--cp", type=int, help="context parallel (Ulysses; ZeRO-3): GPUs sharing one sequence")
     parser.add_argument("--seq-len", type=int, help=f"tokens per sequence (default {d.seq_len}; 256 with --measure)")
     parser.add_argument("--micro-batch-size", type=int, help=f"default {d.micro_batch_size}")
     parser.add_argument(
@@ -684,6 +691,10 @@ def _validate(dims: ModelDims, s: TrainSetup) -> None:
         problems.append("sizes must be >= 1")
     elif s.gpus % (s.tp * s.pp) or s.gpus % (s.ep * s.pp):
         problems.append(f"{s.gpus} GPUs are not divisible by tp*pp={s.tp * s.pp} and ep*pp={s.ep * s.pp}")
+    elif s.cp < 1 or s.dp % s.cp or (s.cp > 1 and (s.zero != 3 or s.tp > 1 or dims.num_heads % s.cp)):
+        problems.append(
+            f"cp={s.cp} is modelled with ZeRO-3 and tp 1; it must divide dp={s.dp} and the {dims.num_heads} heads"
+        )
     elif s.dp_replicate < 1 or s.dp % s.dp_replicate or (s.dp_replicate > 1 and (s.zero != 3 or s.ep > 1)):
         problems.append(f"dp_replicate={s.dp_replicate} needs ZeRO-3 without ep and must divide dp={s.dp}")
     elif s.zero == 3 and s.pp > 1:
@@ -722,7 +733,8 @@ def _lora_problems(dims: ModelDims, s: TrainSetup) -> list[str]:
 class _Estimator:
     def __init__(self, dims: ModelDims, setup: TrainSetup) -> None:
         self.d, self.s = dims, setup
-        self.tokens = setup.micro_batch_size * setup.seq_len / setup.tp  # per GPU, sequence parallel
+        # per GPU: sequence parallel (tp), context parallel (cp)
+        self.tokens = setup.micro_batch_size * setup.seq_len / (setup.tp * setup.cp)
         self.local_layers = dims.num_layers // setup.pp
         # xtl's expert-parallel layout: dense parameters are sharded over all data-parallel ranks, routed experts
         # over the expert-data-parallel ranks (edp) after being split over ep
@@ -954,11 +966,32 @@ class _Estimator:
             lora = (2 * d.q_lora_rank + 2 * d.kv_lora_rank) * act  # q_a / kv_a norm inputs and outputs
             lora += FP32 * ((1 if d.q_lora_rank else 0) + 1)  # q_a / kv_a norm rstd
             core = (2 * a * d.qk_head_dim + 2 * a * d.v_head_dim) * act  # q, k, v, output
-            return norm + lora + core + lse
+            ulysses = a * d.v_head_dim * act if self.s.cp > 1 else 0  # o_proj keeps the output exchanged back
+            return norm + lora + core + ulysses + lse
         qd, kd = a * d.head_dim, d.num_kv_heads * d.head_dim
         qk_norm = ((qd + kd) * act + (a + d.num_kv_heads) * FP32) if d.qk_norm else 0
+        if self.s.cp > 1:  # the kernel keeps the gathered q, k, v (repeated) and output; o_proj the local output
+            kv = kd * self._kv_repeats()
+            return norm + qk_norm + (qd + kv + kv + qd + qd) * act + lse
         core = (qd + kd + kd + qd) * act  # q and k after RoPE, v, output (o_proj input)
         return norm + qk_norm + core + lse
+
+    def _kv_repeats(self) -> int:
+        """How often Ulysses repeats each key/value head (:func:`xtl.ops.ulysses.ulysses_kv_repeats`)."""
+        kv = self.d.num_heads if self.d.is_mla else self.d.num_kv_heads
+        return self.s.cp // math.gcd(kv, self.s.cp)
+
+    def _ulysses_item(self) -> list[tuple[str, float]]:
+        """Context parallelism: one attention block's all-to-all send and receive buffers (q, k, v, output)."""
+        if self.s.cp == 1:
+            return []
+        d, a = self.d, self.d.num_heads
+        if d.is_mla:
+            per_token = 2 * a * d.qk_head_dim + a * d.v_head_dim + a * d.v_head_dim
+        else:
+            per_token = 2 * a * d.head_dim + 2 * d.num_kv_heads * d.head_dim * self._kv_repeats()
+        label = f"Ulysses all-to-all buffers (cp {self.s.cp}): one attention block's q, k, v and output in flight"
+        return [(label, 2 * per_token * self.s.act_bytes * self.tokens)]
 
     def _mlp_act_bytes(self, layer: int) -> float:
         """Bytes one token keeps for the backward of one MLP / MoE block, with its post-attention norm."""
@@ -1034,6 +1067,7 @@ class _Estimator:
             self._kept_item(layers[:-1], f"kept by the other {n - 1} layers"),
             *self._offload_in_flight(layers),
             *self._dequant_item(layers),
+            *self._ulysses_item(),
         ]
         first_mlp = r.get("first_layer_mlp", r["layer_mlp"])
         first = r["layer_attn"]["params"] + first_mlp["params"] + r["layer_attn"]["acts"] + first_mlp["acts"]
@@ -1045,6 +1079,7 @@ class _Estimator:
             ("gathered embedding: bf16 params + activations", r["embed"]["params"] + r["embed"]["acts"]),
             ("previous layer bf16 grads being reduce-scattered", prev_grads),
             *self._dequant_item(layers),
+            *self._ulysses_item(),
         ]
         fwd2 = fwd[:1] + [("static: master grads (sharded)", static_grad)] + fwd[1:]
         return {

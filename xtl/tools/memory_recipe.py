@@ -112,9 +112,9 @@ def read_recipe(paths: Sequence[str | Path]) -> Recipe:
         setup.update(_layout_setup(strategy_args, gpus))
         read_from["zero"] = "3 (trainer.strategy FSDPStrategy)"
         read_from["layout"] = (
-            f"dp_replicate {setup['dp_replicate']} x dp_shard {gpus // setup['dp_replicate']}, ep {setup['ep']} "
-            "(trainer.strategy.init_args: data_parallel_replicate_size, data_parallel_shard_size, "
-            "expert_parallel_size)"
+            f"dp_replicate {setup['dp_replicate']} x dp_shard {gpus // setup['dp_replicate'] // setup['cp']} x cp "
+            f"{setup['cp']}, ep {setup['ep']} (trainer.strategy.init_args: data_parallel_replicate_size, "
+            "data_parallel_shard_size, context_parallel_size, expert_parallel_size)"
         )
     elif gpus > 1:
         raise ToolInputError(
@@ -251,10 +251,11 @@ def _layout_setup(strategy_args: dict[str, Any], gpus: int) -> dict[str, Any]:
             int(strategy_args.get("data_parallel_replicate_size") or 1),
             strategy_args.get("data_parallel_shard_size") or "auto",
             int(strategy_args.get("expert_parallel_size") or 1),
+            int(strategy_args.get("context_parallel_size") or 1),
         )
     except ConfigError as exc:
         raise ToolInputError(short_message(exc)) from None
-    return {"zero": 3, "dp_replicate": layout.dp_replicate, "ep": layout.ep}
+    return {"zero": 3, "dp_replicate": layout.dp_replicate, "ep": layout.ep, "cp": layout.cp}
 
 
 def _read_transforms(callbacks: list[Any], setup: dict[str, Any], read_from: dict[str, str]) -> None:
