@@ -24,6 +24,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import lightning.pytorch  # noqa: F401 - imported here, its log handler writes to the real stderr, not a test's capture
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -38,7 +39,7 @@ BLOCK = re.compile(r"^```(\w*)([^\n]*)\n(.*?)^```", re.MULTILINE | re.DOTALL)
 SETUP = ("python3 -m venv", ". .venv/bin/activate", "pip install")
 LINKED = ("configs", "callbacks")
 # a second rank is started by Lightning re-running the command line: these commands run as a process of their own
-OWN_PROCESS = ("tiny_moe_ep.yaml",)
+OWN_PROCESS = ("tiny_moe_ep.yaml", "--trainer.devices 2")
 NO_GPU = "no usable GPU"
 # what the tool examples write where their command says (beside the run folders)
 OUTPUTS = ("fp8_ckpt", "ckpt_hf", "merged", "merged_linked")
