@@ -1,4 +1,5 @@
-"""Ulysses attention over 2 gloo ranks equals attention of the whole packed sequence on one process."""
+"""Context-parallel attention over 2 gloo ranks (Ulysses, and all-gather-KV where 2 does not divide the heads) equals
+attention of the whole packed sequence on one process."""
 
 from __future__ import annotations
 
@@ -10,17 +11,20 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tests.train.test_step import _free_port
+from xtl.ops.allgather_kv import AllGatherKVAttention
 from xtl.ops.attention import AttentionMaskSpec, eager_attention, sdpa_attention
 from xtl.ops.ulysses import UlyssesAttention, ulysses_kv_repeats
 
 CP = 2
 LENGTHS = [5, 11, 3, 5]  # 24 tokens: the second document crosses the split point at 12
-HEADS, DIM = 4, 8
-# name -> (kernel, key/value heads, sliding window, sinks)
+DIM = 8
+# name -> (kernel, query heads, key/value heads, sliding window, sinks); 3 heads do not split over 2 ranks
 CASES = {
-    "sdpa_gqa_repeated": (sdpa_attention, 1, None, False),  # 1 key/value head for 2 ranks: repeated to 2
-    "sdpa_gqa": (sdpa_attention, 2, None, False),
-    "eager_window_sinks": (eager_attention, 2, 4, True),
+    "sdpa_gqa_repeated": (sdpa_attention, 4, 1, None, False),  # 1 key/value head for 2 ranks: repeated to 2
+    "sdpa_gqa": (sdpa_attention, 4, 2, None, False),
+    "eager_window_sinks": (eager_attention, 4, 2, 4, True),
+    "allgather_mqa": (eager_attention, 3, 1, None, False),
+    "allgather_window_sinks": (eager_attention, 3, 3, 4, True),
 }
 
 
@@ -47,7 +51,7 @@ def cp_results(tmp_path_factory) -> list[dict]:
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("case", sorted(CASES))
-class TestUlyssesAttention:
+class TestContextParallelAttention:
     def test_output_and_gradients_equal_the_whole_sequence(self, cp_results, case):
         want = _run(case, None)
         shard = sum(LENGTHS) // CP
@@ -62,22 +66,22 @@ class TestUlyssesAttention:
             torch.testing.assert_close(total, want["sinks"], rtol=1e-5, atol=1e-6)
 
 
-def _inputs(kv_heads: int, sinks: bool) -> dict[str, torch.Tensor | None]:
+def _inputs(heads: int, kv_heads: int, sinks: bool) -> dict[str, torch.Tensor | None]:
     generator = torch.Generator().manual_seed(0)
     tokens = sum(LENGTHS)
     return {
-        "q": torch.randn(1, HEADS, tokens, DIM, generator=generator),
+        "q": torch.randn(1, heads, tokens, DIM, generator=generator),
         "k": torch.randn(1, kv_heads, tokens, DIM, generator=generator),
         "v": torch.randn(1, kv_heads, tokens, DIM, generator=generator),
-        "grad": torch.randn(1, tokens, HEADS, DIM, generator=generator),
-        "sinks": torch.randn(HEADS, generator=generator) if sinks else None,
+        "grad": torch.randn(1, tokens, heads, DIM, generator=generator),
+        "sinks": torch.randn(heads, generator=generator) if sinks else None,
     }
 
 
 def _run(case: str, group: dist.ProcessGroup | None) -> dict[str, torch.Tensor | None]:
     """Forward and backward of ``case``: the whole sequence (``group`` None) or this rank's tokens."""
-    kernel, kv_heads, window, sinks = CASES[case]
-    inputs = _inputs(kv_heads, sinks)
+    kernel, heads, kv_heads, window, sinks = CASES[case]
+    inputs = _inputs(heads, kv_heads, sinks)
     cu = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], dtype=torch.int32)
     mask = AttentionMaskSpec(cu_seq_lens=cu, max_seq_len=max(LENGTHS)).with_window(window)
     grad = inputs["grad"]
@@ -87,7 +91,7 @@ def _run(case: str, group: dist.ProcessGroup | None) -> dict[str, torch.Tensor |
         rank, shard = dist.get_rank(group), sum(LENGTHS) // CP
         leaves = {name: x[:, :, rank * shard : (rank + 1) * shard] for name, x in leaves.items()}
         grad = grad[:, rank * shard : (rank + 1) * shard]
-        attn = UlyssesAttention(kernel, group)
+        attn = UlyssesAttention(kernel, group) if heads % CP == 0 else AllGatherKVAttention(group)
     leaves = {name: x.clone().requires_grad_(True) for name, x in leaves.items()}
     sink = inputs["sinks"].clone().requires_grad_(True) if sinks else None
     out = attn(leaves["q"], leaves["k"], leaves["v"], mask, DIM**-0.5, 0.0, sink)

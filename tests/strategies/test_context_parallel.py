@@ -30,7 +30,13 @@ from xtl.strategies.layout import ParallelLayout
 from xtl.train import resolve_model_config
 
 CP = 2
-MODELS = {"qwen3": {**BASE, "model_type": "qwen3", "intermediate_size": 48}, **FAMILIES}
+MODELS = {
+    "qwen3": {**BASE, "model_type": "qwen3", "intermediate_size": 48},
+    # 3 query heads do not split over 2 ranks: all-gather-KV attention instead of Ulysses
+    "qwen3_3_heads": {**BASE, "model_type": "qwen3", "intermediate_size": 48, "num_attention_heads": 3,
+                      "num_key_value_heads": 1},
+    **FAMILIES,
+}  # fmt: skip
 LENGTHS = [7, 20, 3, 10, 7]  # 47 tokens -> 48: document 2 crosses the split at 24, document 3 is shorter than 24
 # fp32, the same sums split over 2 ranks: measured ~1e-7 relative on the loss, ~1e-6 on gradients
 TOL = {"rtol": 1e-5, "atol": 1e-6}
@@ -79,8 +85,10 @@ class TestContextParallelModel:
         batch = _micro_batch()
         out = model(seq_ctx=batch.seq_ctx, labels=batch.labels, return_logits=False)
         (out.loss_sum / batch.num_tokens).backward()
+        method = "allgather_kv" if MODELS[family]["num_attention_heads"] % CP else "ulysses"
         for rank, results in enumerate(cp_results):
             got = results[family]
+            assert got["methods"] == [method]
             torch.testing.assert_close(got["loss"], out.loss_sum.detach() / batch.num_tokens, rtol=1e-6, atol=0)
             for name, param in model.named_parameters():
                 torch.testing.assert_close(got["grads"][name], param.grad, **TOL, msg=f"rank {rank} {name}")
@@ -181,6 +189,7 @@ def _worker(rank: int, port: int, out_path: str) -> None:
             grad = param.grad.clone()
             dist.all_reduce(grad)
             grads[name] = grad
-        results[family] = {"loss": loss / tokens, "grads": grads}
+        methods = sorted({module.context_parallel_method for module in model.attention_modules()})
+        results[family] = {"loss": loss / tokens, "grads": grads, "methods": methods}
     torch.save(results, f"{out_path}.{rank}")
     dist.destroy_process_group()

@@ -9,7 +9,8 @@ differentiable (backward runs the opposite all-to-all).
 
 Grouped-query attention needs ``cp`` to divide the key/value heads as well: with fewer key/value heads than that,
 they are repeated first (the smallest factor that makes their count a multiple of ``cp``), so each rank's query
-heads meet their own key/value heads. The query heads must be divisible by ``cp``.
+heads meet their own key/value heads. The query heads must be divisible by ``cp``; where they are not,
+:class:`ContextParallelAttention` attends through :class:`~xtl.ops.allgather_kv.AllGatherKVAttention` instead.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
 
+from xtl.ops.allgather_kv import AllGatherKVAttention
 from xtl.ops.attention import AttentionMaskSpec, AttnFn, get_attn_impl_fn, repeat_kv
 
 
@@ -38,10 +40,12 @@ def ulysses_kv_repeats(num_heads: int, num_kv_heads: int, cp: int) -> int:
 
 
 class ContextParallelAttention:
-    """Mixin of an attention module: its kernel, wrapped by :class:`UlyssesAttention` once the module belongs to a
+    """Mixin of an attention module: its kernel, wrapped for context parallelism once the module belongs to a
     context-parallel group (:meth:`use_context_parallel`, called by the strategy on ``model.attention_modules()``).
 
-    The module sets ``attn_impl``, ``num_heads`` and ``num_kv_heads`` (the key/value heads its kernel receives).
+    The method: Ulysses (:class:`UlyssesAttention`) when the group's size divides the query heads, else all-gather-KV
+    (:class:`~xtl.ops.allgather_kv.AllGatherKVAttention`). The module sets ``attn_impl``, ``num_heads`` and
+    ``num_kv_heads`` (the key/value heads its kernel receives).
     """
 
     attn_impl: str
@@ -50,19 +54,26 @@ class ContextParallelAttention:
     context_group: dist.ProcessGroup | None = None
 
     def use_context_parallel(self, group: dist.ProcessGroup) -> None:
-        """Attend through Ulysses over ``group`` from now on.
-
-        Raises:
-            ValueError: The group's size does not divide the query heads.
-        """
-        ulysses_kv_repeats(self.num_heads, self.num_kv_heads, dist.get_world_size(group))
+        """Attend the whole sequence of ``group``'s ranks from now on."""
         self.context_group = group
+
+    @property
+    def context_parallel_method(self) -> str | None:
+        """``ulysses``, ``allgather_kv``, or ``None`` outside a context-parallel group."""
+        if self.context_group is None:
+            return None
+        return "allgather_kv" if self.num_heads % dist.get_world_size(self.context_group) else "ulysses"
 
     def attention_fn(self) -> AttnFn:
         """The kernel this module attends with (:func:`~xtl.ops.attention.get_attn_impl_fn` of ``attn_impl``,
-        resolved per call so the HF-parity selector applies live)."""
+        resolved per call so the HF-parity selector applies live), wrapped by the context-parallel method."""
         attn = get_attn_impl_fn(self.attn_impl)
-        return attn if self.context_group is None else UlyssesAttention(attn, self.context_group)
+        method = self.context_parallel_method
+        if method is None:
+            return attn
+        if method == "allgather_kv":
+            return AllGatherKVAttention(self.context_group)
+        return UlyssesAttention(attn, self.context_group)
 
 
 class UlyssesAttention:

@@ -37,7 +37,8 @@ class FSDPStrategy(ShardedStrategyMixin, ModelParallelStrategy):
 
     With ``context_parallel_size`` (``cp``) > 1, each group of ``cp`` consecutive ranks trains one packed sequence:
     every rank holds ``1 / cp`` of its tokens (split on the host, :func:`xtl.data.collate.split_for_context_parallel`)
-    and attention exchanges heads for tokens (Ulysses, :mod:`xtl.ops.ulysses`); the ``cp`` ranks shard the
+    and attention exchanges heads for tokens (Ulysses, :mod:`xtl.ops.ulysses`; all-gather-KV where ``cp`` does not
+    divide the heads, :mod:`xtl.ops.allgather_kv`); the ``cp`` ranks shard the
     parameters with the others. ``data_parallel_shard_size`` is then what ``cp`` and replication leave.
 
     Checkpoints are DCP directories written atomically (temporary name, then rename), so a run killed mid-save
@@ -57,8 +58,9 @@ class FSDPStrategy(ShardedStrategyMixin, ModelParallelStrategy):
         process_group_backend: ``gloo``/``nccl`` (default from the device).
         expert_parallel_size: Ranks the routed experts of each MoE layer are split over (divides the world size
             and the expert count; 1: every rank holds every expert).
-        context_parallel_size: Ranks that share one packed sequence (divides the world size and the attention
-            heads; 1: every rank trains whole sequences).
+        context_parallel_size: Ranks that share one packed sequence (divides the world size; Ulysses attention
+            where it divides the query heads, all-gather-KV attention elsewhere; 1: every rank trains whole
+            sequences).
         async_save: Write the model and optimizer state of distributed checkpoints in the background
             (``torch.distributed.checkpoint.async_save``: staged to CPU memory, then written while training
             continues); needs ``save_distributed_checkpoint``.

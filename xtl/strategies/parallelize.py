@@ -176,10 +176,11 @@ class ParallelizingStrategy(ABC):
         return model
 
     def apply_context_parallel(self, model: BaseModel) -> BaseModel:
-        """Make every attention module attend the whole sequence of the ``cp`` group (Ulysses); no-op at ``cp = 1``.
+        """Make every attention module attend the whole sequence of the ``cp`` group (Ulysses, or all-gather-KV where
+        ``cp`` does not divide the heads); no-op at ``cp = 1``.
 
         Raises:
-            ConfigError: A vision-language model, or a ``cp`` that does not divide the attention heads.
+            ConfigError: A vision-language model.
         """
         group = self.meshes.cp_group()
         if group is None:
@@ -191,10 +192,7 @@ class ParallelizingStrategy(ABC):
                 "sequence, which context parallelism does not split yet: set it to 1 for vision-language models"
             )
         for module in model.attention_modules():
-            try:
-                module.use_context_parallel(group)
-            except ValueError as err:
-                raise ConfigError(f"{key}: {err}") from None
+            module.use_context_parallel(group)
         return model
 
     def apply_expert_parallel(self, model: BaseModel) -> BaseModel:
