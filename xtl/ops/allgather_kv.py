@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed._functional_collectives import all_gather_tensor_autograd, wait_tensor
 
-from xtl.ops.attention import AttentionMaskSpec, repeat_kv
+from xtl.ops.attention import AttentionMaskSpec, attention_probs, repeat_kv
 
 
 class AllGatherKVAttention:
@@ -50,15 +49,7 @@ class AllGatherKVAttention:
         scores = torch.matmul(q, keys.transpose(2, 3)) * scaling
         allowed = self.local_mask(mask, q.shape[2], keys.shape[2], q.device)
         scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
-        if sinks is not None:  # an extra logit per head joins the softmax, then is dropped (eager's formulation)
-            sink = sinks.reshape(1, -1, 1, 1).expand(q.shape[0], -1, q.shape[2], -1).to(scores.dtype)
-            combined = torch.cat([scores, sink], dim=-1)
-            combined = combined - combined.max(dim=-1, keepdim=True).values
-            probs = F.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1]
-        else:
-            probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        if dropout > 0.0:
-            probs = F.dropout(probs, p=dropout, training=True)
+        probs = attention_probs(scores, q.dtype, dropout, sinks)
         return torch.matmul(probs, values).transpose(1, 2).contiguous()
 
     def local_mask(self, mask: AttentionMaskSpec, local: int, total: int, device: torch.device) -> torch.Tensor:

@@ -237,18 +237,27 @@ def eager_attention(
     value_states = repeat_kv(v, n_rep)
     attn_weights = torch.matmul(q, key_states.transpose(2, 3)) * scaling
     attn_weights = attn_weights + mask.additive_mask(q.shape[0], q.shape[2], attn_weights.dtype, q.device, k.shape[2])
-    if sinks is not None:
-        sink_logits = sinks.reshape(1, -1, 1, 1).expand(q.shape[0], -1, q.shape[-2], -1)
-        combined = torch.cat([attn_weights, sink_logits], dim=-1)
-        combined = combined - combined.max(dim=-1, keepdim=True).values
-        probs = F.softmax(combined, dim=-1, dtype=combined.dtype)
-        attn_weights = probs[..., :-1]
-    else:
-        attn_weights = F.softmax(attn_weights, dim=-1, dtype=torch.float32).to(q.dtype)
-    if dropout > 0.0:
-        attn_weights = F.dropout(attn_weights, p=dropout, training=True)
+    attn_weights = attention_probs(attn_weights, q.dtype, dropout, sinks)
     attn_output = torch.matmul(attn_weights, value_states)
     return attn_output.transpose(1, 2).contiguous()
+
+
+def attention_probs(
+    scores: torch.Tensor, dtype: torch.dtype, dropout: float = 0.0, sinks: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Masked scores ``(B, H, T, S)`` to probabilities in transformers' eager formulation: an fp32 softmax cast to
+    ``dtype``, or with sinks an extra logit per head that joins the softmax and is dropped; then dropout."""
+    if sinks is not None:
+        sink_logits = sinks.reshape(1, -1, 1, 1).expand(scores.shape[0], -1, scores.shape[-2], -1)
+        combined = torch.cat([scores, sink_logits], dim=-1)
+        combined = combined - combined.max(dim=-1, keepdim=True).values
+        probs = F.softmax(combined, dim=-1, dtype=combined.dtype)
+        probs = probs[..., :-1]
+    else:
+        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(dtype)
+    if dropout > 0.0:
+        probs = F.dropout(probs, p=dropout, training=True)
+    return probs
 
 
 def sdpa_attention(
