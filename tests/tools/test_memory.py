@@ -340,6 +340,13 @@ class TestMeasure:
         assert modes["full+offload"].host_measured == gpu["full"] and modes["full+offload"].gpu_measured == 0
         table = result.render()
         assert all(f"{name:<14}" in table for name in MODES) and "OUT OF TOLERANCE" not in table
+        # context parallelism 2: a layer on rank 0 keeps the estimate's bytes of its half of the sequence, the
+        # gradients summed over both ranks are the whole sequence's
+        cp = {m.mode: m for m in result.cp_modes}
+        assert list(cp) == ["cp 2", "cp 2 full"] and all(m.ok for m in cp.values()), table
+        assert cp["cp 2"].gpu_measured == cp["cp 2"].gpu_estimate < gpu["none"]
+        assert cp["cp 2 full"].gpu_measured == gpu["full"] / 2, "half the layer inputs"
+        assert "gradients equal to the whole sequence's on one process" in table
 
     def test_mode_check_fails_outside_its_tolerance(self) -> None:
         from xtl.tools._memory_measure import ModeResult

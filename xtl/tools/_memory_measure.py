@@ -57,6 +57,12 @@ MODES: dict[str, dict[str, Any]] = {
 }
 """Memory modes of :func:`compare_modes`, as ``TrainSetup`` fields (``recompute``, ``recompute_every_n_layers``,
 ``offload``, ``offload_every_n_layers``)."""
+CP_MODES: dict[str, dict[str, Any]] = {
+    "cp 2": {"recompute": "none", "cp": 2},
+    "cp 2 full": {"recompute": "full", "cp": 2},
+}
+"""Context-parallel modes of :func:`compare_context_parallel` (2 gloo processes, Ulysses attention; gradients, summed
+over the ranks, are compared with the whole sequence's on one process)."""
 LORA_MODES: dict[str, dict[str, Any]] = {
     "lora": {"recompute": "none", "lora_rank": 8},
     "lora selective": {"recompute": "selective", "lora_rank": 8},
@@ -136,6 +142,7 @@ class MeasureResult:
     tolerance: float = TOLERANCE
     modes: list[ModeResult] = field(default_factory=list)
     lora_modes: list[ModeResult] = field(default_factory=list)
+    cp_modes: list[ModeResult] = field(default_factory=list)
 
     @property
     def ratio(self) -> float:
@@ -150,7 +157,7 @@ class MeasureResult:
     @property
     def ok(self) -> bool:
         """bool: The formula check and every memory mode (LoRA modes included) are within tolerance."""
-        return self.formula_ok and all(mode.ok for mode in self.modes + self.lora_modes)
+        return self.formula_ok and all(mode.ok for mode in self.modes + self.lora_modes + self.cp_modes)
 
     def to_dict(self) -> dict:
         """Return a JSON-serializable dict.
@@ -169,6 +176,7 @@ class MeasureResult:
             "formula_ok": self.formula_ok,
             "modes": [mode.to_dict() for mode in self.modes],
             "lora_modes": [mode.to_dict() for mode in self.lora_modes],
+            "cp_modes": [mode.to_dict() for mode in self.cp_modes],
             "ok": self.ok,
         }
 
@@ -193,6 +201,10 @@ class MeasureResult:
             text += "\n\n" + _modes_table(
                 self.lora_modes, self.config["seq_len"], "LoRA rank 8 on q/k/v/o/gate/up/down"
             )
+        if self.cp_modes:
+            what = "context parallelism 2 (rank 0 of 2 gloo processes, Ulysses; gradients summed over the ranks)"
+            whole = "the whole sequence's on one process"
+            text += "\n\n" + _modes_table(self.cp_modes, self.config["seq_len"], what, whole)
         return text
 
 
@@ -304,6 +316,94 @@ def compare_modes(
             )
         )
     return results
+
+
+def compare_context_parallel(
+    estimate: Callable[[dict, int, dict], tuple[float, float]], seq_len: int = 256, seed: int = 0
+) -> list[ModeResult]:
+    """What one decoder layer keeps on rank 0 of a context-parallel pair, against ``estimate`` (:data:`CP_MODES`).
+
+    One spawn of 2 gloo processes trains the models of :func:`compare_modes` on the halves of one sequence
+    (:func:`xtl.data.collate.split_for_context_parallel`, attention through Ulysses); the gradients, summed over
+    the ranks, must equal the whole sequence's on one process.
+
+    Args:
+        estimate (Callable[[dict, int, dict], tuple[float, float]]): As for :func:`compare_modes` (the mode's
+            fields include ``cp``).
+        seq_len (int): Tokens in the sequence (even).
+        seed (int): Seed for weights and tokens.
+
+    Returns:
+        list[ModeResult]: One per mode, in order.
+    """
+    import tempfile
+    from pathlib import Path
+
+    import torch.multiprocessing as mp
+
+    deep, shallow = tiny_xtl_fields(4), tiny_xtl_fields(2)
+    _, _, whole_grads = _kept_by_layers(deep, {"recompute": "none"}, seq_len, seed)
+    reference = estimate(deep, seq_len, {"recompute": "none"})[0] / 4
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "cp.pt"
+        mp.spawn(_cp_worker, args=(_free_port(), str(out), seq_len, seed), nprocs=2, join=True)
+        measured = torch.load(out)
+    results = []
+    for mode, options in CP_MODES.items():
+        (gpu4, grads), gpu2 = measured[mode]
+        est4, est2 = estimate(deep, seq_len, options), estimate(shallow, seq_len, options)
+        grad_diff = max(float((a - b).abs().max()) for a, b in zip(grads, whole_grads, strict=True))
+        results.append(
+            ModeResult(mode, dict(options), (gpu4 - gpu2) / 2, (est4[0] - est2[0]) / 2, 0.0, 0.0, reference, grad_diff)
+        )
+    return results
+
+
+def _cp_worker(rank: int, port: int, out: str, seq_len: int, seed: int) -> None:
+    """One rank of :func:`compare_context_parallel`: per mode, (bytes, summed gradients) of the 4-layer model and the
+    bytes of the 2-layer one; rank 0 saves them to ``out``."""
+    import os
+
+    import torch.distributed as dist
+
+    from xtl.data import Pack, collate_pack
+    from xtl.data.collate import split_for_context_parallel
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, tiny_dense_config()["vocab_size"], (seq_len,), generator=generator).numpy()
+    share = split_for_context_parallel(collate_pack(Pack(0, ids, ids.copy(), [seq_len])), rank, 2)
+    results = {}
+    for mode, options in CP_MODES.items():
+        kept = []
+        for fields in (tiny_xtl_fields(4), tiny_xtl_fields(2)):
+            model, _ = _build_xtl(fields, options, seed)
+            for module in model.attention_modules():
+                module.use_context_parallel(dist.group.WORLD)
+            params = {p.untyped_storage()._cdata for p in model.parameters()}
+            created = CreatedStorages()
+            with created:
+                out_ = model(seq_ctx=share.seq_ctx, labels=share.labels, return_logits=False)
+            gpu = created.alive_bytes(params)
+            (out_.loss_sum / (seq_len - 1)).backward()  # the mean over the whole sequence's targets
+            grads = [p.grad.detach().clone() for p in model.parameters()]
+            for grad in grads:
+                dist.all_reduce(grad)
+            kept.append((gpu, grads))
+        results[mode] = (kept[0], kept[1][0])
+    if rank == 0:
+        torch.save(results, out)
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def _saved_bytes(model: torch.nn.Module, ids: torch.Tensor) -> tuple[int, torch.Tensor]:
@@ -424,7 +524,7 @@ def _kept_by_layers(
     return gpu, host, [p.grad.detach().clone() for p in model.parameters() if p.requires_grad]
 
 
-def _modes_table(modes: list[ModeResult], seq_len: int, what: str = "") -> str:
+def _modes_table(modes: list[ModeResult], seq_len: int, what: str = "", grads_against: str | None = None) -> str:
     def ratio(value: float | None) -> str:
         return "-" if value is None else f"{value:.4f}"
 
@@ -435,8 +535,8 @@ def _modes_table(modes: list[ModeResult], seq_len: int, what: str = "") -> str:
         f" h {fields['hidden_size']}, I {fields['intermediate_size']}, {fields['num_attention_heads']} heads, "
         f"{fields['num_key_value_heads']} KV heads; real callbacks; 4-layer minus 2-layer model, halved)",
         f"tolerance per mode: |measured - estimate| <= {MODE_TOLERANCE:.0%} of the estimate (of the no-recompute "
-        f"layer, {modes[0].reference:.0f} bytes, where the estimate is 0); gradients equal to mode "
-        f"{modes[0].mode} within {GRAD_TOLERANCE:g}",
+        f"layer, {modes[0].reference:.0f} bytes, where the estimate is 0); gradients equal to "
+        f"{grads_against or 'mode ' + modes[0].mode} within {GRAD_TOLERANCE:g}",
         f"{'mode':<14}{'GPU est':>10}{'measured':>10}{'ratio':>8}{'host est':>10}{'measured':>10}{'ratio':>8}"
         f"{'tol':>6}{'grad diff':>11}  result",
     ]

@@ -380,12 +380,13 @@ def measure_activations(
     Returns:
         MeasureResult: Measured and formula bytes (``modes``: one row per memory mode).
     """
-    from xtl.tools._memory_measure import LORA_MODES, compare_modes, compare_with_autograd
+    from xtl.tools._memory_measure import LORA_MODES, compare_context_parallel, compare_modes, compare_with_autograd
 
     result = compare_with_autograd(_forward_activation_bytes, seq_len, config, seed)
     if modes:
         result.modes = compare_modes(_layers_kept_bytes, seq_len, seed)
         result.lora_modes = compare_modes(_layers_kept_bytes, seq_len, seed, LORA_MODES)
+        result.cp_modes = compare_context_parallel(_layers_kept_bytes, seq_len, seed)
     return result
 
 
@@ -603,7 +604,8 @@ def _layers_kept_bytes(fields: dict, seq_len: int, options: dict) -> tuple[float
     fields = dict(fields)
     config = MODEL_TYPES[fields.pop("model_type")](**fields)
     dims = ModelDims.from_config(config)
-    setup = TrainSetup(nodes=1, gpus_per_node=1, seq_len=seq_len, act_bytes=4, **options)
+    base = {"nodes": 1, "gpus_per_node": options.get("cp", 1), "seq_len": seq_len, "act_bytes": 4}
+    setup = TrainSetup(**(base | options))
     _validate(dims, setup)
     est = _Estimator(dims, setup)
     kept = [est.kept(layer) for layer in range(dims.num_layers)]
