@@ -101,6 +101,12 @@ class SequenceContext:
         return int(self.position_ids.shape[-1])
 
     @property
+    def pack_len(self) -> int:
+        """Tokens of the whole pack: ``seq_len``, or more for a context-parallel share (whose document bounds are the
+        pack's)."""
+        return self.doc_bounds[-1] if self.doc_bounds is not None else self.seq_len
+
+    @property
     def num_docs(self) -> int:
         """Number of documents (including a trailing padding pseudo-document)."""
         return int(self.cu_seq_lens.numel() - 1)

@@ -78,8 +78,8 @@ class TestLogging:
         config = LlamaDenseConfig(**TINY)
         module = SimpleNamespace(model_config=config, device=torch.device("cpu"))
         batch = [
-            SimpleNamespace(num_real_tokens=30, seq_ctx=SimpleNamespace(seq_len=10, extras={})),
-            SimpleNamespace(num_real_tokens=8, seq_ctx=SimpleNamespace(seq_len=8, extras={})),
+            SimpleNamespace(num_real_tokens=30, seq_ctx=SimpleNamespace(pack_len=10, extras={})),
+            SimpleNamespace(num_real_tokens=8, seq_ctx=SimpleNamespace(pack_len=8, extras={})),
         ]
         callback = Throughput(peak_tflops=1e-6)
         callback.on_train_start(trainer, module)  # clock 100
@@ -125,7 +125,7 @@ class TestVisionFlops:
         module = SimpleNamespace(model_config=config, device=torch.device("cpu"))
         grid = torch.tensor([[1, 4, 4], [1, 2, 4]])
         batch = [
-            SimpleNamespace(num_real_tokens=10, seq_ctx=SimpleNamespace(seq_len=10, extras={"image_grid_thw": grid}))
+            SimpleNamespace(num_real_tokens=10, seq_ctx=SimpleNamespace(pack_len=10, extras={"image_grid_thw": grid}))
         ]
         callback = Throughput()
         callback.on_train_start(trainer, module)

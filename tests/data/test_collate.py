@@ -116,6 +116,7 @@ class TestSplitForContextParallel:
         assert torch.equal(positions[:, :n], whole.seq_ctx.position_ids), "positions of the whole pack"
         assert (labels[:, n:] == IGNORE_INDEX).all(), "added padding is never supervised"
         bounds = shares[0].seq_ctx.doc_bounds
+        assert {s.seq_ctx.pack_len for s in shares} == {total}, "a share knows the length of its pack"
         assert all(s.seq_ctx.doc_bounds == bounds for s in shares) and bounds[-1] == total
         assert bounds[: len(whole.seq_ctx.doc_bounds) - 1] == whole.seq_ctx.doc_bounds[:-1]
         assert shares[0].seq_ctx.cu_seq_lens.tolist() == list(bounds)

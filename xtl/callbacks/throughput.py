@@ -41,7 +41,7 @@ class Throughput(pl.Callback):
     ) -> None:
         """Count the step's FLOPs; on logged steps, log achieved TFLOP/s per device (and MFU) over the window."""
         tokens = sum(mb.num_real_tokens for mb in batch)
-        seq = max((mb.seq_ctx.seq_len for mb in batch), default=0)
+        seq = max((mb.seq_ctx.pack_len for mb in batch), default=0)  # attention spans the pack, cp shares too
         config = pl_module.model_config
         self._flops += tokens * self.flops_per_token(config, seq)
         grids = [mb.seq_ctx.extras.get("image_grid_thw") for mb in batch]
