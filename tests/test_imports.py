@@ -132,3 +132,13 @@ class TestSeams:
         assert [p.split(" ", 1)[0] for p in probes(tmp_path, ("callbacks",))] == [
             "callbacks/bad.py:2", "callbacks/bad.py:3", "callbacks/bad.py:4",
         ]  # fmt: skip
+
+    def test_a_family_that_does_not_name_its_decoder_layers_cannot_be_built(self):
+        from xtl.model import BaseModel
+
+        class NoLayers(BaseModel):
+            def forward(self, *args, **kwargs):
+                return None
+
+        with pytest.raises(TypeError, match="decoder_layers"):
+            NoLayers(None)

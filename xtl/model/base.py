@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import zlib
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,10 +20,11 @@ from xtl.module.moe_block import MoEBlock
 from xtl.module.norm import RMSNorm
 
 
-class BaseModel(nn.Module):
+class BaseModel(nn.Module, ABC):
     """Checkpoint I/O, initialization and sharding shared by all model families.
 
-    Subclasses implement :meth:`forward` and may override :meth:`to_hf_key_list`, :meth:`hf_to_param` and
+    Subclasses implement :meth:`forward` and :meth:`decoder_layers` (abstract: a family that lacks one cannot be
+    built) and may override :meth:`to_hf_key_list`, :meth:`hf_to_param` and
     :meth:`param_to_hf` (tensor-layout hooks for HF tensors that differ by more than a name).
     """
 
@@ -31,8 +33,9 @@ class BaseModel(nn.Module):
         self.config = config
         self._hf_path: Path | None = None
 
-    def forward(self, *args: Any, **kwargs: Any) -> ModelOutput:  # pragma: no cover - overridden
-        raise TypeError(f"{type(self).__name__} does not define forward")
+    @abstractmethod
+    def forward(self, *args: Any, **kwargs: Any) -> ModelOutput:
+        """Run the model (the family's call styles)."""
 
     # ---- HF key mapping -------------------------------------------------------------------------------------
 
@@ -209,9 +212,9 @@ class BaseModel(nn.Module):
     # Transforms and strategies find the model's parts through these typed accessors, never by attribute names:
     # a new family gets every callback by implementing them.
 
+    @abstractmethod
     def decoder_layers(self) -> nn.ModuleList:
         """The decoder layers of the language model, in order (each a :class:`~xtl.module.DecoderLayer`)."""
-        raise NotImplementedError(f"{type(self).__name__} does not name its decoder layers")
 
     def vision_blocks(self) -> nn.ModuleList | None:
         """The vision tower's blocks, in order (``None``: a text-only model)."""

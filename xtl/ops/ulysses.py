@@ -52,17 +52,12 @@ class ContextParallelAttention:
     num_heads: int
     num_kv_heads: int
     context_group: dist.ProcessGroup | None = None
+    context_parallel_method: str | None = None  # ``ulysses``, ``allgather_kv``; ``None`` outside a group
 
     def use_context_parallel(self, group: dist.ProcessGroup) -> None:
-        """Attend the whole sequence of ``group``'s ranks from now on."""
+        """Attend the whole sequence of ``group``'s ranks from now on, by the method its size allows."""
         self.context_group = group
-
-    @property
-    def context_parallel_method(self) -> str | None:
-        """``ulysses``, ``allgather_kv``, or ``None`` outside a context-parallel group."""
-        if self.context_group is None:
-            return None
-        return "allgather_kv" if self.num_heads % dist.get_world_size(self.context_group) else "ulysses"
+        self.context_parallel_method = "allgather_kv" if self.num_heads % dist.get_world_size(group) else "ulysses"
 
     def attention_fn(self) -> AttnFn:
         """The kernel this module attends with (:func:`~xtl.ops.attention.get_attn_impl_fn` of ``attn_impl``,

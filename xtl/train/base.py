@@ -218,7 +218,7 @@ class LanguageModule(pl.LightningModule):
             forward=lambda mb: self.model(seq_ctx=mb.seq_ctx, labels=mb.labels, return_logits=False),
             micro_batches=batch,
             num_tokens=lambda mb: mb.num_tokens,
-            dp_world_size=self._dp_world_size(),
+            dp_world_size=self._averaged_ranks(),
             backward=self.manual_backward,
             device=self.device,
             group=self.parallelizer.data_group(),
@@ -374,12 +374,12 @@ class LanguageModule(pl.LightningModule):
                 module.requires_grad_(False)
 
     def _data_ranks(self) -> DataRanks:
-        return DataRanks(self._dp_world_size(), self._sum_over_data_ranks)
+        return DataRanks(self._averaged_ranks(), self._sum_over_data_ranks)
 
     def _trainer_callbacks(self) -> list[pl.Callback]:
         return list(self._trainer.callbacks) if self._trainer is not None else []
 
-    def _dp_world_size(self) -> int:
+    def _averaged_ranks(self) -> int:
         """Ranks the gradient reduction averages over: every rank, data- and context-parallel (the ``cp`` ranks of
         a sequence each hold a share of its tokens)."""
         return self.parallelizer.layout.world_size
