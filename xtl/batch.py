@@ -33,6 +33,10 @@ class SequenceContext:
             never reads the device tensor back (on GPU each read is a device-to-host sync).
         loss_positions: Positions whose label is supervised, ``(N,)`` int64, found on the host by the collate
             step; a training forward runs the LM head and the loss on these rows only (``None``: every position).
+        share_start: For a context-parallel share (:func:`xtl.data.collate.split_for_context_parallel`), the
+            position in the whole pack of its first token; 0 otherwise.
+        pack_input_ids: For a context-parallel share, the whole pack's token ids ``(1, pack_len)``, for models whose
+            inputs depend on the whole sequence (M-RoPE positions, image placeholders); ``None`` otherwise.
     """
 
     input_ids: torch.Tensor | None
@@ -44,6 +48,8 @@ class SequenceContext:
     extras: dict = field(default_factory=dict)
     doc_bounds: tuple[int, ...] | None = None
     loss_positions: torch.Tensor | None = None
+    share_start: int = 0
+    pack_input_ids: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.doc_bounds is None and self.cu_seq_lens is not None and self.cu_seq_lens.device.type == "cpu":
@@ -135,6 +141,7 @@ class SequenceContext:
             position_ids=apply(self.position_ids),
             inputs_embeds=apply(self.inputs_embeds),
             loss_positions=apply(self.loss_positions),
+            pack_input_ids=apply(self.pack_input_ids),
             extras={k: apply(v) if isinstance(v, torch.Tensor) else v for k, v in self.extras.items()},
         )
 

@@ -220,8 +220,6 @@ REFUSED: dict[tuple[str, str, str], str] = {
     ("vlm", "parity_check", "*"): "HFParityCheck compares decoder-only text models",
     ("vlm_moe", "parity_check", "*"): "HFParityCheck compares decoder-only text models",
     ("*", "parity_check", "cp"): "HFParityCheck runs whole documents on each process",
-    ("vlm", "*", "cp"): "context_parallel_size > 1 splits packed text sequences",
-    ("vlm_moe", "*", "cp"): "context_parallel_size > 1 splits packed text sequences",
 }
 
 

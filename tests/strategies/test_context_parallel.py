@@ -1,9 +1,11 @@
 """Context parallelism: a packed sequence split over 2 gloo ranks trains as on one process.
 
-Model level (one spawn): dense GQA, MoE, MLA and sinks + sliding window, on a pack whose documents cross the split
-point, with one document shorter than a share and a length that needs padding: the loss and every gradient equal
-the whole pack's on one process. Run level: ``xtl fit`` with ``context_parallel_size: 2`` on 2 processes logs the
-losses of one process training the same packs, for the dense and the MoE recipe.
+Model level (one spawn): dense GQA, MoE, MLA, sinks + sliding window and Qwen3-VL (dense and MoE), on a pack
+whose documents cross the split point, with one document shorter than a share and a length that needs padding (the
+vision pack: an image whose placeholders straddle the split, and text after it whose M-RoPE positions depend on
+it): the loss and every gradient equal the whole pack's on one process. Run level: ``xtl fit`` with
+``context_parallel_size: 2`` on 2 processes logs the losses of one process training the same packs, for the dense
+and the MoE recipe.
 """
 
 from __future__ import annotations
@@ -25,18 +27,51 @@ from tests.strategies.test_expert_parallel import BASE, FAMILIES
 from tests.train.test_step import _free_port
 from xtl.data import IGNORE_INDEX, Pack, collate_pack
 from xtl.data.collate import split_for_context_parallel
+from xtl.data.multimodal import VisionPack
 from xtl.errors import ConfigError
 from xtl.strategies.layout import ParallelLayout
 from xtl.train import resolve_model_config
 
 CP = 2
+IMAGE, VISION_START, VISION_END = 90, 91, 92
+_VL_TEXT = {
+    **{k: v for k, v in BASE.items() if k != "attn_impl"},
+    "intermediate_size": 48,
+    "rope": {"rope_type": "default", "rope_theta": 10000.0, "params": {"mrope_section": [2, 1, 1]}},
+}
+_VL = {
+    "image_token_id": IMAGE,
+    "vision_start_token_id": VISION_START,
+    "vision_end_token_id": VISION_END,
+    "video_token_id": 93,
+    "text_config": _VL_TEXT,
+    "vision_config": {
+        "depth": 2,
+        "hidden_size": 16,
+        "intermediate_size": 32,
+        "num_heads": 2,
+        "patch_size": 4,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "out_hidden_size": 32,
+        "num_position_embeddings": 16,
+        "deepstack_visual_indexes": [0],
+    },
+}
+PATCH_DIM = 3 * 2 * 4 * 4
+# the vision pack: doc 0 has a 4-token image, doc 1 a 6-token one at 21..26 across the split at 24, then text
+_VL_DOCS = [[5, VISION_START, *[IMAGE] * 4, VISION_END], [*range(10, 23), VISION_START, *[IMAGE] * 6, VISION_END,
+            30, 31, 32], [40, 41, 42], list(range(50, 60)), [60, 61, 62]]  # fmt: skip
 MODELS = {
     "qwen3": {**BASE, "model_type": "qwen3", "intermediate_size": 48},
     # 3 query heads do not split over 2 ranks: all-gather-KV attention instead of Ulysses
     "qwen3_3_heads": {**BASE, "model_type": "qwen3", "intermediate_size": 48, "num_attention_heads": 3,
                       "num_key_value_heads": 1},
     **FAMILIES,
+    **{name: {"model_type": name, **_VL} for name in ("qwen3_vl", "qwen3_vl_moe")},
 }  # fmt: skip
+MODELS["qwen3_vl_moe"]["text_config"] = {**_VL_TEXT, "num_experts": 4, "num_experts_per_tok": 2,
+                                         "moe_intermediate_size": 16}  # fmt: skip
 LENGTHS = [7, 20, 3, 10, 7]  # 47 tokens -> 48: document 2 crosses the split at 24, document 3 is shorter than 24
 # fp32, the same sums split over 2 ranks: measured ~1e-7 relative on the loss, ~1e-6 on gradients
 TOL = {"rtol": 1e-5, "atol": 1e-6}
@@ -82,10 +117,11 @@ def cp_results(tmp_path_factory) -> list[dict]:
 class TestContextParallelModel:
     def test_loss_and_every_gradient_equal_the_whole_pack(self, cp_results, family):
         model = _model(family)
-        batch = _micro_batch()
+        batch = _micro_batch(family)
         out = model(seq_ctx=batch.seq_ctx, labels=batch.labels, return_logits=False)
         (out.loss_sum / batch.num_tokens).backward()
-        method = "allgather_kv" if MODELS[family]["num_attention_heads"] % CP else "ulysses"
+        heads = MODELS[family].get("text_config", MODELS[family])["num_attention_heads"]
+        method = "allgather_kv" if heads % CP else "ulysses"
         for rank, results in enumerate(cp_results):
             got = results[family]
             assert got["methods"] == [method]
@@ -161,11 +197,18 @@ def _model(family: str) -> torch.nn.Module:
     return model
 
 
-def _micro_batch():
+def _micro_batch(family: str):
     rng = np.random.default_rng(0)
-    ids = rng.integers(1, BASE["vocab_size"], sum(LENGTHS))
-    labels = np.where(rng.random(ids.size) < 0.25, IGNORE_INDEX, ids)
-    return collate_pack(Pack(0, ids, labels, LENGTHS))
+    if "vl" not in family:
+        ids = rng.integers(1, BASE["vocab_size"], sum(LENGTHS))
+        labels = np.where(rng.random(ids.size) < 0.25, IGNORE_INDEX, ids)
+        return collate_pack(Pack(0, ids, labels, LENGTHS))
+    ids = np.concatenate([np.array(doc) for doc in _VL_DOCS])
+    labels = np.where((ids == IMAGE) | (rng.random(ids.size) < 0.25), IGNORE_INDEX, ids)
+    grid = torch.tensor([[1, 4, 4], [1, 4, 6]])  # 4 and 6 merged tokens
+    pixels = torch.from_numpy(rng.standard_normal((16 + 24, PATCH_DIM)).astype(np.float32))
+    extras = {"pixel_values": pixels, "image_grid_thw": grid}
+    return collate_pack(VisionPack(0, ids, labels, [len(doc) for doc in _VL_DOCS], extras))
 
 
 def _worker(rank: int, port: int, out_path: str) -> None:
@@ -177,7 +220,7 @@ def _worker(rank: int, port: int, out_path: str) -> None:
         model = _model(family)
         for module in model.attention_modules():
             module.use_context_parallel(dist.group.WORLD)
-        share = split_for_context_parallel(_micro_batch(), rank, CP)
+        share = split_for_context_parallel(_micro_batch(family), rank, CP)
         tokens = torch.tensor(float(share.num_tokens))
         dist.all_reduce(tokens)
         out = model(seq_ctx=share.seq_ctx, labels=share.labels, return_logits=False)

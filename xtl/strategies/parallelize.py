@@ -33,7 +33,6 @@ from typing import Any, ClassVar
 
 import torch
 
-from xtl.errors import ConfigError
 from xtl.model import BaseModel
 from xtl.strategies.layout import ParallelLayout, ParallelMeshes
 
@@ -176,21 +175,12 @@ class ParallelizingStrategy(ABC):
         return model
 
     def apply_context_parallel(self, model: BaseModel) -> BaseModel:
-        """Make every attention module attend the whole sequence of the ``cp`` group (Ulysses, or all-gather-KV where
-        ``cp`` does not divide the heads); no-op at ``cp = 1``.
-
-        Raises:
-            ConfigError: A vision-language model.
-        """
+        """Make every decoder attention module attend the whole sequence of the ``cp`` group (Ulysses, or
+        all-gather-KV where ``cp`` does not divide the heads); no-op at ``cp = 1``. A vision tower is not split:
+        each rank encodes the images of its pack (:class:`xtl.model.compose.qwen3_vl.Qwen3VL`)."""
         group = self.meshes.cp_group()
         if group is None:
             return model
-        key = "trainer.strategy.init_args.context_parallel_size"
-        if model.vision_blocks() is not None:
-            raise ConfigError(
-                f"{key} > 1 splits packed text sequences; {type(model).__name__} merges image features into its "
-                "sequence, which context parallelism does not split yet: set it to 1 for vision-language models"
-            )
         for module in model.attention_modules():
             module.use_context_parallel(group)
         return model

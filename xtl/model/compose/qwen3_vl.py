@@ -150,6 +150,8 @@ class Qwen3VL(BaseModel):
     - Packed ``model(seq_ctx=..., labels=...)``: ``seq_ctx.extras`` carries ``pixel_values`` and
       ``image_grid_thw`` of the images of all its documents, in order of appearance (absent: a text-only pack);
       M-RoPE positions restart at every document; labels already shifted, as :class:`~xtl.model.dense.Dense`.
+      A context-parallel share (``seq_ctx.pack_input_ids`` set) computes positions over the whole pack, encodes
+      every image of the pack and keeps the positions and image features of its own tokens.
     """
 
     config: Qwen3VLConfig
@@ -225,12 +227,17 @@ class Qwen3VL(BaseModel):
         input_ids = seq_ctx.input_ids
         inputs_embeds = lm.embed_tokens(input_ids) if seq_ctx.inputs_embeds is None else seq_ctx.inputs_embeds
         grid = seq_ctx.extras.get("image_grid_thw")
+        share = None
+        if seq_ctx.pack_input_ids is not None:  # a context-parallel share of the pack
+            share = slice(seq_ctx.share_start, seq_ctx.share_start + seq_ctx.seq_len)
         inputs_embeds, visual_mask, deepstack = self._merge_images(
-            input_ids, inputs_embeds, seq_ctx.extras.get("pixel_values"), grid
+            input_ids, inputs_embeds, seq_ctx.extras.get("pixel_values"), grid, seq_ctx.pack_input_ids, share
         )
         position_ids = seq_ctx.position_ids
         if input_ids is not None:
-            position_ids = self.packed_rope_index(input_ids, seq_ctx.cu_seq_lens, grid)
+            whole = input_ids if share is None else seq_ctx.pack_input_ids
+            position_ids = self.packed_rope_index(whole, seq_ctx.cu_seq_lens, grid)
+            position_ids = position_ids if share is None else position_ids[..., share]
         packed = replace(seq_ctx, input_ids=None, inputs_embeds=inputs_embeds, position_ids=position_ids)
         with lm.deepstack(visual_mask, deepstack):
             return lm(
@@ -246,16 +253,28 @@ class Qwen3VL(BaseModel):
         inputs_embeds: torch.Tensor,
         pixel_values: torch.Tensor | None,
         image_grid_thw: torch.Tensor | None,
+        pack_input_ids: torch.Tensor | None = None,
+        share: slice | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor]]:
-        """Encode the images and scatter them into the placeholders; returns embeddings, visual mask, DeepStack."""
+        """Encode the images and scatter them into the placeholders; returns embeddings, visual mask, DeepStack.
+
+        With ``share`` (the positions of ``input_ids`` in the whole pack ``pack_input_ids``), every image of the pack
+        is encoded and the features of the placeholders inside the share are kept.
+        """
         if pixel_values is None:
             return inputs_embeds, None, []
         image_embeds, deepstack = self.visual(pixel_values, image_grid_thw)
-        visual_mask = self.placeholder_mask(input_ids, inputs_embeds)
-        if int(visual_mask.sum()) != image_embeds.shape[0]:
+        whole_mask = self.placeholder_mask(pack_input_ids if share is not None else input_ids, inputs_embeds)
+        if int(whole_mask.sum()) != image_embeds.shape[0]:
             raise ValueError(
-                f"{int(visual_mask.sum())} image tokens in the text but {image_embeds.shape[0]} image features"
+                f"{int(whole_mask.sum())} image tokens in the text but {image_embeds.shape[0]} image features"
             )
+        visual_mask = whole_mask
+        if share is not None:
+            visual_mask = whole_mask[:, share]
+            first = int(whole_mask[:, : share.start].sum())
+            mine = slice(first, first + int(visual_mask.sum()))
+            image_embeds, deepstack = image_embeds[mine], [feature[mine] for feature in deepstack]
         scatter_mask = visual_mask.unsqueeze(-1).expand_as(inputs_embeds)
         inputs_embeds = inputs_embeds.masked_scatter(scatter_mask, image_embeds.to(inputs_embeds.dtype))
         return inputs_embeds, visual_mask, deepstack
