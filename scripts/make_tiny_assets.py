@@ -3,8 +3,9 @@
     python scripts/make_tiny_assets.py [--out xtl/assets/tiny] [--seed 0]
 
 Writes a byte-level BPE tokenizer with the Qwen3 special tokens and Qwen3 chat template, a synthetic SFT task
-with checkable answers (``sft_train.jsonl``, held-out ``sft_eval.jsonl`` with an ``answer`` field), and a small
-pretraining text set (``pretrain.jsonl``).
+with checkable answers (``sft_train.jsonl``, held-out ``sft_eval.jsonl`` with an ``answer`` field), preference pairs
+built from it (``preference_train.jsonl``, ``preference_eval.jsonl``: the SFT prompt, its correct answer as ``chosen``
+and a corrupted answer as ``rejected``), and a small pretraining text set (``pretrain.jsonl``).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -68,6 +70,9 @@ def main() -> None:
     _write_jsonl(out / "sft_train.jsonl", train)
     _write_jsonl(out / "sft_eval.jsonl", evals)
     _write_jsonl(out / "pretrain.jsonl", pretrain)
+    preference_rng = random.Random(f"preference-{args.seed}")  # its own stream: the other files do not move
+    _write_jsonl(out / "preference_train.jsonl", preference_rows(train, preference_rng))
+    _write_jsonl(out / "preference_eval.jsonl", preference_rows(evals, preference_rng))
 
     template = (
         Path(__file__).resolve().parent.parent / "xtl" / "assets" / "chat_templates" / "qwen3.jinja"
@@ -90,7 +95,10 @@ def main() -> None:
     config["tokenizer_class"] = "PreTrainedTokenizerFast"
     config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
     total = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
-    print(f"wrote {out} ({len(train)} train, {len(evals)} eval, {len(pretrain)} pretrain; {total / 1e6:.2f} MB)")
+    print(
+        f"wrote {out} ({len(train)} train, {len(evals)} eval, {len(pretrain)} pretrain, preference pairs of each SFT "
+        f"row; {total / 1e6:.2f} MB)"
+    )
 
 
 def _sft_split(rng: random.Random) -> tuple[list[dict], list[dict]]:
@@ -142,6 +150,48 @@ def _upper(rng: random.Random) -> tuple[str, str]:
 def _count(rng: random.Random) -> tuple[str, str]:
     words = [rng.choice(WORDS) for _ in range(rng.randint(1, 5))]
     return f"How many words: {' '.join(words)}", str(len(words))
+
+
+def preference_rows(sft_rows: list[dict], rng: random.Random) -> list[dict]:
+    """Preference pairs from SFT rows, in TRL's explicit-prompt conversational layout.
+
+    Args:
+        sft_rows (list[dict]): Rows ``{"messages": [..., user, assistant]}`` of the tiny SFT task.
+        rng (random.Random): Source of the corruptions (seeded: the output is deterministic).
+
+    Returns:
+        list[dict]: ``{"prompt": messages without the final assistant turn, "chosen": [that turn], "rejected":
+        [an assistant turn with a wrong answer]}`` per SFT row, in order.
+    """
+    rows = []
+    for row in sft_rows:
+        *prompt, answer = row["messages"]
+        wrong = _corrupt(prompt[-1]["content"], answer["content"], rng)
+        assert wrong != answer["content"], (prompt, wrong)
+        rows.append({"prompt": prompt, "chosen": [answer], "rejected": [{"role": "assistant", "content": wrong}]})
+    return rows
+
+
+def _corrupt(prompt: str, answer: str, rng: random.Random) -> str:
+    """A wrong answer to a tiny-task prompt, wrong in a way that recurs across prompts (so that a preference for the
+    right answers can be learned and checked on held-out prompts): the operands side by side for a sum, the number
+    itself for its successor, a nearby wrong count, the words in reverse order (else the letters, else one word too
+    many), the wrong case.
+    """
+    if sum_prompt := re.fullmatch(r"What is (\d+)\+(\d+)\?", prompt):
+        return sum_prompt[1] + sum_prompt[2]
+    if after := re.fullmatch(r"What number comes after (\d+)\?", prompt):
+        return after[1]
+    if prompt.startswith("How many words: "):
+        n = int(answer)
+        return str(n + rng.choice([1, 2]) if n < 2 else n + rng.choice([-2, -1, 1, 2]))
+    if prompt.startswith("Repeat: "):
+        candidates = [" ".join(reversed(answer.split())), answer[::-1], f"{answer} {answer.split()[0]}"]
+        return next(c for c in candidates if c != answer)
+    if prompt.startswith("Uppercase: "):
+        text = prompt.removeprefix("Uppercase: ")
+        return rng.choice([text, text.title(), text.capitalize()])
+    raise ValueError(f"no corruption for the tiny task prompt {prompt!r}")
 
 
 def _paragraph(rng: random.Random) -> str:

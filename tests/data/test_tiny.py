@@ -12,8 +12,36 @@ from transformers import AutoTokenizer
 
 from xtl.data import ChatTokenizeFn, tiny_assets_dir
 
-FILES = ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "sft_train.jsonl", "sft_eval.jsonl"]
+FILES = [
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "sft_train.jsonl",
+    "sft_eval.jsonl",
+    "preference_train.jsonl",
+    "preference_eval.jsonl",
+]
 REPO = Path(__file__).resolve().parents[2]
+
+
+def _rows(name: str) -> list[dict]:
+    return [json.loads(line) for line in (tiny_assets_dir() / name).read_text().splitlines()]
+
+
+def _expected(prompt: str) -> str:
+    """The correct answer to a tiny-task prompt, computed from the prompt."""
+    if m := re.fullmatch(r"What is (\d+)([+-])(\d+)\?", prompt):
+        a, op, b = int(m[1]), m[2], int(m[3])
+        return str(a + b if op == "+" else a - b)
+    if m := re.fullmatch(r"What number comes after (\d+)\?", prompt):
+        return str(int(m[1]) + 1)
+    if prompt.startswith("Repeat: "):
+        return prompt.removeprefix("Repeat: ")
+    if prompt.startswith("How many words: "):
+        return str(len(prompt.removeprefix("How many words: ").split()))
+    if prompt.startswith("Uppercase: "):
+        return prompt.removeprefix("Uppercase: ").upper()
+    raise AssertionError(f"unknown task prompt {prompt!r}")
 
 
 class TestTinyAssets:
@@ -44,19 +72,19 @@ class TestTinyAssets:
         for record in evals:
             prompt, answer = record["messages"][0]["content"], record["answer"]
             assert prompt not in train_prompts and record["messages"][-1]["content"] == answer
-            if m := re.fullmatch(r"What is (\d+)([+-])(\d+)\?", prompt):
-                a, op, b = int(m[1]), m[2], int(m[3])
-                assert int(answer) == (a + b if op == "+" else a - b)
-            elif m := re.fullmatch(r"What number comes after (\d+)\?", prompt):
-                assert int(answer) == int(m[1]) + 1
-            elif prompt.startswith("Repeat: "):
-                assert answer == prompt.removeprefix("Repeat: ")
-            elif prompt.startswith("How many words: "):
-                assert int(answer) == len(prompt.removeprefix("How many words: ").split())
-            elif prompt.startswith("Uppercase: "):
-                assert answer == prompt.removeprefix("Uppercase: ").upper()
-            else:
-                raise AssertionError(f"unknown task prompt {prompt!r}")
+            assert answer == _expected(prompt)
+
+    def test_preference_pairs_follow_the_sft_rows(self):
+        for split, size in (("train", 6000), ("eval", 200)):
+            sft, pairs = _rows(f"sft_{split}.jsonl"), _rows(f"preference_{split}.jsonl")
+            assert len(pairs) == len(sft) == size
+            for record, pair in zip(sft, pairs):
+                assert set(pair) == {"prompt", "chosen", "rejected"}
+                assert pair["prompt"] == record["messages"][:-1] and pair["chosen"] == record["messages"][-1:]
+                (rejected,) = pair["rejected"]
+                assert rejected["role"] == "assistant"
+                assert pair["chosen"][0]["content"] == _expected(pair["prompt"][-1]["content"])
+                assert rejected["content"] != _expected(pair["prompt"][-1]["content"])
 
     def test_generator_reproduces_committed_files(self, tmp_path):
         script = REPO / "scripts" / "make_tiny_assets.py"

@@ -24,6 +24,7 @@ from xtl.data.packing import (
     preset_pack,
     save_plan,
 )
+from xtl.data.preference import PreferenceTokenizeFn, check_pair_plan, parse_preference_row
 from xtl.data.sampler import EvalStepSampler, RankSteps, StepSampler, load_preset_order
 from xtl.data.sources import FileHashMemo, HFSource, JsonlSource, Source, SourceSpec, hash_file, open_source
 from xtl.data.templates import TEMPLATES, ChatTemplate, Rendered, get_template
@@ -52,6 +53,7 @@ __all__ = [
     "Pack",
     "PackPlan",
     "PackedDataset",
+    "PreferenceTokenizeFn",
     "PretrainTokenizeFn",
     "RankSteps",
     "Rendered",
@@ -68,6 +70,7 @@ __all__ = [
     "build_cache",
     "build_tokenize_fn",
     "cache_key",
+    "check_pair_plan",
     "collate_pack",
     "get_template",
     "hard_pack",
@@ -76,6 +79,7 @@ __all__ = [
     "load_plan",
     "load_preset_order",
     "open_source",
+    "parse_preference_row",
     "plan_fingerprint",
     "preset_pack",
     "save_plan",

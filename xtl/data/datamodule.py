@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from xtl.data.packing import (
     preset_pack,
     save_plan,
 )
+from xtl.data.preference import BAD_ROW_POLICIES, PREFERENCE_KIND, check_pair_plan, dropped_rows
 from xtl.data.sampler import EvalStepSampler, RankSteps, SamplerOrder, StepSampler
 from xtl.data.sources import FileHashMemo, SourceSpec, open_source
 from xtl.data.tokenize_fn import build_tokenize_fn
@@ -38,11 +40,17 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class PackedSplit:
-    """A tokenized, mixed and packed dataset with its plan (one for training, one per validation set)."""
+    """A tokenized, mixed and packed dataset with its plan (one for training, one per validation set).
+
+    ``pairs``: a preference set (``kind: preference``), whose packs hold whole chosen/rejected pairs;
+    ``dropped_rows``: rows of its sources skipped under ``bad_rows: drop``.
+    """
 
     data: MixedDataset
     plan: PackPlan
     packs: PackedDataset
+    pairs: bool = False
+    dropped_rows: int = 0
 
 
 class XTLDataModule(pl.LightningDataModule):
@@ -51,6 +59,12 @@ class XTLDataModule(pl.LightningDataModule):
     Every train batch is one optimizer step of this rank: ``micro_batches_per_step`` packed micro-batches. Paths
     starting with ``tiny:`` resolve inside ``xtl.data.tiny_assets_dir()``, ``env:VAR`` to an environment variable
     (``xtl.utils.resolve_path``); ``tokenizer: "tiny:"`` is the embedded tokenizer.
+
+    Preference data (``kind: preference`` sources, :mod:`xtl.data.preference`): every row is a chosen and a rejected
+    sample; mixing and ``best_fit`` packing keep each pair whole, so the documents of a micro-batch alternate chosen,
+    rejected (pair ``k`` = documents ``2k`` and ``2k + 1``). A set (the training sources, or one validation or test
+    set) is all preference sources or none. Rows skipped under ``bad_rows: drop`` are logged and counted in
+    ``dropped_rows``.
 
     Args:
         sources (list[SourceSpec]): Training sources, mixed by their ``sample_ratio``.
@@ -70,7 +84,8 @@ class XTLDataModule(pl.LightningDataModule):
         sampler (str): ``random``, ``length_grouped`` or ``preset``.
         pack_preset (str | None): ``.npy`` pack table for ``packing: preset``.
         sampler_preset (str | None): ``.npy`` pack order for ``sampler: preset``.
-        overlong (str): Samples longer than a pack under best-fit: ``truncate``, ``drop`` or ``error``.
+        overlong (str): Samples longer than a pack under best-fit: ``truncate``, ``drop`` or ``error``. A preference
+            pair longer than a pack is dropped under ``truncate`` too (cutting it would change what it compares).
         pad_to_max_length (bool): Pad every pack to ``pack_max_length`` (fixed shapes).
         template_kwargs (dict[str, Any] | None): Template overrides (e.g. ``date_string`` for llama3).
         pretrain_eos_token (str | None): EOS appended to ``kind: text`` documents (default: the tokenizer's).
@@ -183,6 +198,9 @@ class XTLDataModule(pl.LightningDataModule):
         self.test_splits: dict[str, PackedSplit] = {}
         self._consumed_samples = 0
         self._train_loader: ResumableDataLoader | None = None
+        self.dropped_rows: dict[str, int] = {}  # preference source path -> rows skipped under bad_rows: drop
+        self._open_sources: dict[Path, Any] = {}  # cache entry -> its source (row locations for errors)
+        self._check_sets()
 
     # -- Lightning hooks -------------------------------------------------------------------------------------------
 
@@ -200,16 +218,17 @@ class XTLDataModule(pl.LightningDataModule):
         """
         if self.train_split is not None:
             return
-        self.train_split = self._split(self.sources, self.packing, self.pack_preset)
+        self.train_split = self._split(self.sources, self.packing, self.pack_preset, "data.sources")
         report = self.train_split.plan.report()
         log.info("xtl data: %s sources %s, packing %s", self.packing, self.train_split.data.summary(), report)
         if self.data_parallel_rank()[0] == 0:
-            print(packing_summary(report, self.pack_max_length, len(self.sources)), flush=True)
+            summary = packing_summary(report, self.pack_max_length, len(self.sources), self.train_split.dropped_rows)
+            print(summary, flush=True)
         eval_packing = "best_fit" if self.packing == "preset" else self.packing
         for name, specs in self.val_sources.items():
-            self.val_splits[name] = self._split(specs, eval_packing, None)
+            self.val_splits[name] = self._split(specs, eval_packing, None, f"data.val_sources.{name}")
         for name, specs in self.test_sources.items():
-            self.test_splits[name] = self._split(specs, eval_packing, None)
+            self.test_splits[name] = self._split(specs, eval_packing, None, f"data.test_sources.{name}")
 
     def train_dataloader(self) -> ResumableDataLoader:
         """This rank's training step batches, resuming at ``consumed_samples``.
@@ -376,6 +395,33 @@ class XTLDataModule(pl.LightningDataModule):
 
     # -- private ---------------------------------------------------------------------------------------------------
 
+    def _check_sets(self) -> None:
+        """Fail before tokenizing on a set that mixes preference with other kinds, or settings pairs cannot take."""
+        sets = [("data.sources", self.sources)]
+        sets += [(f"data.val_sources.{name}", specs) for name, specs in self.val_sources.items()]
+        sets += [(f"data.test_sources.{name}", specs) for name, specs in self.test_sources.items()]
+        for key, specs in sets:
+            for spec in specs:
+                if spec.bad_rows not in BAD_ROW_POLICIES:
+                    raise DataError(
+                        f"{key}: source {spec.path}: bad_rows must be 'error' or 'drop', got {spec.bad_rows!r}"
+                    )
+                if spec.bad_rows == "drop" and spec.kind != PREFERENCE_KIND:
+                    raise DataError(
+                        f"{key}: source {spec.path}: bad_rows: drop applies to kind: preference only: remove it"
+                    )
+            kinds = sorted({spec.kind for spec in specs})
+            if PREFERENCE_KIND in kinds and len(kinds) > 1:
+                raise DataError(
+                    f"{key} mixes kind: preference with kind: {', '.join(k for k in kinds if k != PREFERENCE_KIND)}; "
+                    "a set is all preference pairs or none: move the preference sources to a set of their own"
+                )
+            if kinds == [PREFERENCE_KIND] and self.packing == "hard":
+                raise DataError(
+                    f"{key} holds kind: preference sources, but packing: hard cuts documents and would split pairs; "
+                    "use packing: best_fit"
+                )
+
     def _on_cuda(self) -> bool:
         trainer = self.trainer
         if trainer is None:
@@ -409,15 +455,22 @@ class XTLDataModule(pl.LightningDataModule):
             template_kwargs=self.template_kwargs,
             eos_token=self.pretrain_eos_token,
             image_processor=self.image_processor,
+            bad_rows=spec.bad_rows,
         )
         cache = build_cache(source, fn, self.cache_dir, num_proc=self.tokenize_workers, progress=self.progress)
+        self._open_sources[cache.directory] = source
+        if kind == PREFERENCE_KIND:
+            dropped = dropped_rows(cache)  # also checks that the entry holds whole pairs
+            self.dropped_rows[resolved.path] = dropped
+            if dropped:
+                log.info("xtl data: %s: %d bad preference rows dropped (bad_rows: drop)", resolved.path, dropped)
         if kind == "vlm_chat":
             from xtl.data.multimodal import load_image_index
 
             self._image_indexes[cache.directory] = load_image_index(cache, source, fn)
         return cache
 
-    def _split(self, specs: list[SourceSpec], packing: str, preset: str | None) -> PackedSplit:
+    def _split(self, specs: list[SourceSpec], packing: str, preset: str | None, key: str) -> PackedSplit:
         caches = [self._cache(s) for s in specs]
         for spec, cache in zip(specs, caches):
             if len(cache) == 0:
@@ -425,11 +478,17 @@ class XTLDataModule(pl.LightningDataModule):
                     f"{_resolve(spec.path)}: no usable rows (the source is empty, or every row was filtered out); "
                     "add data or remove it from the sources"
                 )
-        data = MixedDataset(caches, [s.sample_ratio for s in specs], self.seed, [s.display_name for s in specs])
+        pairs = bool(specs) and all(s.kind == PREFERENCE_KIND for s in specs)
+        data = MixedDataset(
+            caches, [s.sample_ratio for s in specs], self.seed, [s.display_name for s in specs], pairs=pairs
+        )
         if packing == "preset":
             if preset is None:
                 raise DataError("packing 'preset' needs `pack_preset`: a .npy table of (pack, sample, start, end)")
             plan = preset_pack(_resolve(preset), data.num_tokens, self.pack_max_length)
+            if pairs:
+                check_pair_plan(plan, data.num_tokens, f"{key}: pack preset {_resolve(preset)}")
+                plan.pairs = True
         elif packing in ("hard", "best_fit"):
             plan = self._stored_plan(caches, specs, data, packing)
         else:
@@ -437,7 +496,8 @@ class XTLDataModule(pl.LightningDataModule):
         packs = PackedDataset(data, plan)
         if self.image_processor is not None:
             packs = self._vision_packs(packs, caches)
-        return PackedSplit(data, plan, packs)
+        dropped = sum(self.dropped_rows.get(_resolve(s.path), 0) for s in specs) if pairs else 0
+        return PackedSplit(data, plan, packs, pairs=pairs, dropped_rows=dropped)
 
     def _stored_plan(
         self, caches: list[TokenizedCache], specs: list[SourceSpec], data: MixedDataset, packing: str
@@ -450,6 +510,7 @@ class XTLDataModule(pl.LightningDataModule):
             "packing": packing,
             "pack_max_length": self.pack_max_length,
             "overlong": self.overlong if packing == "best_fit" else None,
+            "pairs": data.pairs,
             "num_samples": len(data),
             "num_tokens": int(data.num_tokens.sum()),
         }
@@ -461,6 +522,9 @@ class XTLDataModule(pl.LightningDataModule):
             return plan
         if packing == "hard":
             plan = hard_pack(data.num_tokens, self.pack_max_length, self.seed)
+        elif data.pairs:
+            locate = self._pair_locator(data, caches)
+            plan = best_fit_pack(data.num_tokens, self.pack_max_length, self.seed, self.overlong, True, locate)
         else:
             plan = best_fit_pack(data.num_tokens, self.pack_max_length, self.seed, self.overlong)
         try:
@@ -468,6 +532,17 @@ class XTLDataModule(pl.LightningDataModule):
         except OSError as err:  # a read-only cache folder: pack again next time
             log.warning("xtl data: cannot store the pack plan in %s (%s)", path, err)
         return plan
+
+    def _pair_locator(self, data: MixedDataset, caches: list[TokenizedCache]) -> Callable[[int], str]:
+        """``file:line`` of the row of mixed pair ``k`` (for the errors of pair packing)."""
+
+        def locate(pair: int) -> str:
+            k, sample = int(data.source_ids[2 * pair]), int(data.sample_ids[2 * pair])
+            row = int(caches[k].rows[sample])
+            source = self._open_sources.get(caches[k].directory)
+            return source.location(row) if source is not None else f"{caches[k].meta['source_path']}[row {row}]"
+
+        return locate
 
     def _vision_packs(self, packs: PackedDataset, caches: list[Any]) -> Any:
         from xtl.data.multimodal import IMAGE_TOKEN, ImageProcessorConfig, SampleImages, VisionPackedDataset
@@ -499,13 +574,23 @@ class XTLDataModule(pl.LightningDataModule):
         return StepCollator(int(pad_id or 0), self.pack_max_length if self.pad_to_max_length else None)
 
 
-def packing_summary(report: dict[str, float | int], pack_max_length: int, num_sources: int) -> str:
-    """One line for the start of a run: packs, documents, fill ratio, overlong documents dropped or truncated."""
+def packing_summary(
+    report: dict[str, float | int], pack_max_length: int, num_sources: int, dropped_rows: int = 0
+) -> str:
+    """One line for the start of a run: packs, documents, fill ratio, overlong documents dropped or truncated (for
+    preference data: pairs, overlong pairs dropped, and ``dropped_rows`` bad rows skipped)."""
+    documents = f"{report['documents']} documents"
+    if "pairs" in report:
+        documents = f"{report['pairs']} preference pairs ({report['documents']} documents)"
     line = (
-        f"xtl data: {report['documents']} documents from {num_sources} source(s) -> {report['packs']} packs of "
+        f"xtl data: {documents} from {num_sources} source(s) -> {report['packs']} packs of "
         f"<= {pack_max_length} tokens, fill {report['fill_ratio']:.3f}"
     )
-    if report["dropped_overlong"]:
+    if dropped_rows:
+        line += f", {dropped_rows} bad preference rows dropped"
+    if report.get("dropped_overlong_pairs"):
+        line += f", {report['dropped_overlong_pairs']} pairs longer than pack_max_length dropped"
+    elif report["dropped_overlong"]:
         line += f", {report['dropped_overlong']} documents longer than pack_max_length dropped"
     if report["truncated_overlong"]:
         line += (

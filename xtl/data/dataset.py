@@ -17,11 +17,16 @@ class MixedDataset:
     subset (without replacement) for the fraction. Sample ``i`` of the mix is ``(source, sample)`` =
     ``(source_ids[i], sample_ids[i])``; sources follow each other in the given order.
 
+    With ``pairs=True`` (preference data) every cache holds pairs, samples ``2k`` (chosen) and ``2k + 1`` (rejected)
+    of one row, and the ratio applies to pairs: ``round(r * n / 2)`` pairs are kept, repeated or subsampled whole, so
+    mixed samples ``2j`` and ``2j + 1`` are always one pair, chosen first.
+
     Args:
         caches (Sequence[TokenizedCache]): One cache entry per source.
         ratios (Sequence[float]): Sample ratio per source (> 0).
         seed (int): Seed of the subsampling.
         names (Sequence[str] | None): Source names, for reports.
+        pairs (bool): Mix pairs of consecutive samples instead of samples (every cache must hold pairs).
     """
 
     def __init__(
@@ -30,16 +35,28 @@ class MixedDataset:
         ratios: Sequence[float],
         seed: int = 0,
         names: Sequence[str] | None = None,
+        pairs: bool = False,
     ) -> None:
         if len(caches) != len(ratios):
             raise DataError(f"{len(caches)} sources but {len(ratios)} sample ratios")
         self.caches = list(caches)
         self.names = list(names) if names is not None else [c.directory.name for c in caches]
+        self.pairs = pairs
         source_ids, sample_ids = [], []
         for k, (cache, ratio) in enumerate(zip(caches, ratios)):
             if not ratio > 0:
                 raise DataError(f"sample_ratio of source {self.names[k]!r} must be > 0, got {ratio}")
-            picked = _ratio_indices(len(cache), ratio, np.random.default_rng([seed, k]))
+            rng = np.random.default_rng([seed, k])
+            if pairs:
+                rows = np.asarray(cache.rows)
+                if len(rows) % 2 or not np.array_equal(rows[0::2], rows[1::2]):
+                    raise DataError(
+                        f"source {self.names[k]!r} does not hold chosen/rejected pairs (two consecutive samples per "
+                        "row); preference sets need kind: preference on every source"
+                    )
+                picked = (2 * _ratio_indices(len(cache) // 2, ratio, rng)[:, None] + np.arange(2)).reshape(-1)
+            else:
+                picked = _ratio_indices(len(cache), ratio, rng)
             source_ids.append(np.full(len(picked), k, dtype=np.int32))
             sample_ids.append(picked)
         self.source_ids = np.concatenate(source_ids) if source_ids else np.zeros(0, dtype=np.int32)
@@ -114,7 +131,7 @@ class MixedDataset:
         return ids, np.where(mask, ids, IGNORE_INDEX), lengths
 
     def summary(self) -> list[dict[str, int | str]]:
-        """Per-source sample and token counts in the mix.
+        """Per-source sample and token counts in the mix (and pairs, for preference data).
 
         Returns:
             list[dict]: One row per source.
@@ -122,7 +139,11 @@ class MixedDataset:
         rows = []
         for k, name in enumerate(self.names):
             sel = self.source_ids == k
-            rows.append({"name": name, "samples": int(sel.sum()), "tokens": int(self.num_tokens[sel].sum())})
+            samples = int(sel.sum())
+            row: dict[str, int | str] = {"name": name, "samples": samples, "tokens": int(self.num_tokens[sel].sum())}
+            if self.pairs:
+                row["pairs"] = samples // 2
+            rows.append(row)
         return rows
 
 

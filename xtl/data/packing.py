@@ -6,7 +6,8 @@ one document of its pack, so attention and position ids restart at segment bound
 - ``hard_pack``: shuffle samples, lay their tokens end to end, cut every ``pack_max_length`` (pretraining; a cut
   document continues in the next pack as a new document).
 - ``best_fit_pack``: best-fit decreasing, never splitting a sample (SFT); overlong samples are truncated, dropped
-  or rejected by policy and counted.
+  or rejected by policy and counted. With ``pairs=True`` (preference data) a chosen/rejected pair is the unit: two
+  consecutive documents of one pack, never split, never truncated.
 - ``preset_pack``: a user ``.npy`` table of ``(pack, sample, start, end)`` rows, validated.
 
 ``save_plan`` / ``load_plan`` store a plan as one ``.npz`` (written under a temporary name, then renamed) checked
@@ -23,6 +24,7 @@ import os
 import sys
 import tempfile
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -40,7 +42,11 @@ PackingMode = Literal["hard", "best_fit", "preset"]
 
 @dataclass
 class PackPlan:
-    """Segments grouped by pack: pack ``p`` holds segments ``pack_offsets[p]:pack_offsets[p+1]``."""
+    """Segments grouped by pack: pack ``p`` holds segments ``pack_offsets[p]:pack_offsets[p+1]``.
+
+    ``pairs``: a preference plan, whose packs hold whole pairs (segments ``2j``, ``2j + 1`` of a pack are mixed samples
+    ``2k``, ``2k + 1``, chosen then rejected); ``num_dropped`` then counts documents of dropped pairs (two per pair).
+    """
 
     pack_max_length: int
     pack_offsets: np.ndarray
@@ -50,6 +56,7 @@ class PackPlan:
     num_dropped: int = 0
     num_truncated: int = 0
     truncated_tokens: int = 0
+    pairs: bool = False
 
     def __len__(self) -> int:
         return len(self.pack_offsets) - 1
@@ -76,12 +83,12 @@ class PackPlan:
         return float(self.pack_tokens().sum() / (len(self) * self.pack_max_length))
 
     def report(self) -> dict[str, float | int]:
-        """Counts for logs: packs, documents, fill ratio, dropped and truncated samples.
+        """Counts for logs: packs, documents, fill ratio, dropped and truncated samples (and pairs, for preference).
 
         Returns:
             dict: The report.
         """
-        return {
+        report: dict[str, float | int] = {
             "packs": len(self),
             "documents": int(len(self.seg_sample)),
             "tokens": int(self.pack_tokens().sum()),
@@ -90,6 +97,10 @@ class PackPlan:
             "truncated_overlong": self.num_truncated,
             "truncated_tokens": self.truncated_tokens,
         }
+        if self.pairs:
+            report["pairs"] = int(len(self.seg_sample)) // 2
+            report["dropped_overlong_pairs"] = self.num_dropped // 2
+        return report
 
 
 @dataclass
@@ -165,23 +176,38 @@ def hard_pack(num_tokens: np.ndarray, pack_max_length: int, seed: int = 0, shuff
 
 
 def best_fit_pack(
-    num_tokens: np.ndarray, pack_max_length: int, seed: int = 0, overlong: OverlongPolicy = "truncate"
+    num_tokens: np.ndarray,
+    pack_max_length: int,
+    seed: int = 0,
+    overlong: OverlongPolicy = "truncate",
+    pairs: bool = False,
+    locate: Callable[[int], str] | None = None,
 ) -> PackPlan:
     """Best-fit decreasing: longest samples first, each into the fullest pack that still has room.
 
     Ties in length are ordered by a seeded shuffle, so the plan is deterministic from ``seed``.
+
+    With ``pairs=True`` (preference data) samples ``2k`` and ``2k + 1`` are one pair (chosen, rejected) and the pair
+    is the unit: it goes into one pack as two consecutive documents, chosen first. A pair longer than
+    ``pack_max_length`` raises under ``overlong="error"`` and is dropped (counted) under ``"drop"`` and ``"truncate"``:
+    cutting a pair would change what it compares.
 
     Args:
         num_tokens (np.ndarray): Tokens per sample.
         pack_max_length (int): Pack capacity.
         seed (int): Seed of the tie order.
         overlong (str): ``"truncate"`` (keep the first ``pack_max_length`` tokens), ``"drop"`` or ``"error"``.
+        pairs (bool): Pack pairs of consecutive samples as units (``num_tokens`` of even length).
+        locate (Callable[[int], str] | None): ``pairs`` only: the source location (``file:line``) of pair ``k``,
+            named by the overlong error.
 
     Returns:
         PackPlan: The plan; packs in creation order (the sampler shuffles them).
     """
     _check_length(pack_max_length)
     lengths = np.asarray(num_tokens, dtype=np.int64)
+    if pairs:
+        return _best_fit_pairs(lengths, pack_max_length, seed, overlong, locate)
     too_long = np.flatnonzero(lengths > pack_max_length)
     num_dropped = num_truncated = truncated_tokens = 0
     if len(too_long):
@@ -200,25 +226,8 @@ def best_fit_pack(
     fits = lengths[perm] <= pack_max_length if overlong == "drop" else np.ones(len(perm), dtype=bool)
     perm = perm[fits & (lengths[perm] > 0)]
     sizes = np.minimum(lengths, pack_max_length)
-    order = perm[np.argsort(-sizes[perm], kind="stable")]
-    bins: list[list[int]] = []
-    free: list[int] = []  # sorted keys remaining * 2**32 + bin id, for bins with room left
-    shift = 1 << 32
-    for sample in order.tolist():
-        need = int(sizes[sample])
-        pos = bisect.bisect_left(free, need * shift)
-        if pos < len(free):
-            key = free.pop(pos)
-            remaining, bin_id = divmod(key, shift)
-            bins[bin_id].append(sample)
-            remaining -= need
-        else:
-            bin_id = len(bins)
-            bins.append([sample])
-            remaining = pack_max_length - need
-        if remaining > 0:
-            bisect.insort(free, remaining * shift + bin_id)
-    seg_sample = np.fromiter((s for b in bins for s in b), dtype=np.int64, count=len(order))
+    bins = _best_fit_bins(perm[np.argsort(-sizes[perm], kind="stable")], sizes, pack_max_length)
+    seg_sample = np.fromiter((s for b in bins for s in b), dtype=np.int64, count=len(perm))
     pack_offsets = np.zeros(len(bins) + 1, dtype=np.int64)
     np.cumsum([len(b) for b in bins], out=pack_offsets[1:])
     return PackPlan(
@@ -231,6 +240,68 @@ def best_fit_pack(
         num_truncated=num_truncated,
         truncated_tokens=truncated_tokens,
     )
+
+
+def _best_fit_pairs(
+    lengths: np.ndarray,
+    pack_max_length: int,
+    seed: int,
+    overlong: OverlongPolicy,
+    locate: Callable[[int], str] | None,
+) -> PackPlan:
+    if len(lengths) % 2:
+        raise DataError(f"pair packing needs chosen/rejected pairs, got an odd number of samples ({len(lengths)})")
+    chosen, rejected = lengths[0::2], lengths[1::2]
+    if len(lengths) and min(chosen.min(), rejected.min()) <= 0:
+        raise DataError("pair packing got an empty chosen or rejected sample; every side of a pair needs tokens")
+    units = chosen + rejected
+    too_long = np.flatnonzero(units > pack_max_length)
+    if len(too_long) and overlong == "error":
+        k = int(too_long[0])
+        where = locate(k) if locate is not None else f"pair {k}"
+        raise DataError(
+            f"{where}: preference pair of {int(units[k])} tokens (chosen {int(chosen[k])} + rejected "
+            f"{int(rejected[k])}) exceeds pack_max_length={pack_max_length} ({len(too_long)} pairs do); raise "
+            "pack_max_length or set overlong: drop (a pair is dropped, never truncated)"
+        )
+    perm = np.random.default_rng(seed).permutation(len(units))
+    perm = perm[units[perm] <= pack_max_length]
+    bins = _best_fit_bins(perm[np.argsort(-units[perm], kind="stable")], units, pack_max_length)
+    pair = np.fromiter((u for b in bins for u in b), dtype=np.int64, count=len(perm))
+    seg_sample = (2 * pair[:, None] + np.arange(2)).reshape(-1)
+    pack_offsets = np.zeros(len(bins) + 1, dtype=np.int64)
+    np.cumsum([2 * len(b) for b in bins], out=pack_offsets[1:])
+    return PackPlan(
+        pack_max_length,
+        pack_offsets,
+        seg_sample,
+        np.zeros(len(seg_sample), dtype=np.int64),
+        lengths[seg_sample].astype(np.int64),
+        num_dropped=2 * len(too_long),
+        pairs=True,
+    )
+
+
+def _best_fit_bins(order: np.ndarray, sizes: np.ndarray, pack_max_length: int) -> list[list[int]]:
+    """Put the items of ``order`` (in that order) each into the fullest bin that still has room for it."""
+    bins: list[list[int]] = []
+    free: list[int] = []  # sorted keys remaining * 2**32 + bin id, for bins with room left
+    shift = 1 << 32
+    for item in order.tolist():
+        need = int(sizes[item])
+        pos = bisect.bisect_left(free, need * shift)
+        if pos < len(free):
+            key = free.pop(pos)
+            remaining, bin_id = divmod(key, shift)
+            bins[bin_id].append(item)
+            remaining -= need
+        else:
+            bin_id = len(bins)
+            bins.append([item])
+            remaining = pack_max_length - need
+        if remaining > 0:
+            bisect.insort(free, remaining * shift + bin_id)
+    return bins
 
 
 def preset_pack(path: str | Path, num_tokens: np.ndarray, pack_max_length: int) -> PackPlan:
@@ -320,6 +391,7 @@ def save_plan(plan: PackPlan, path: str | Path, key: str) -> None:
         "num_dropped": plan.num_dropped,
         "num_truncated": plan.num_truncated,
         "truncated_tokens": plan.truncated_tokens,
+        "pairs": plan.pairs,
     }
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
     try:
@@ -365,6 +437,7 @@ def load_plan(path: str | Path, key: str) -> PackPlan | None:
         num_dropped=int(meta["num_dropped"]),
         num_truncated=int(meta["num_truncated"]),
         truncated_tokens=int(meta["truncated_tokens"]),
+        pairs=bool(meta.get("pairs", False)),
         **arrays,
     )
 

@@ -21,7 +21,8 @@ from xtl.data.item import DataError, DataFileNotFoundError
 from xtl.utils import atomic_write_bytes
 
 SourceFormat = Literal["auto", "jsonl", "hf_disk", "parquet", "json"]
-SourceKind = Literal["chat", "text"]
+SourceKind = Literal["chat", "text", "preference"]
+BadRowPolicy = Literal["error", "drop"]
 
 _SCAN_CHUNK = 64 << 20
 _HASH_CHUNK = 8 << 20
@@ -34,18 +35,22 @@ class SourceSpec:
 
     Args:
         path (str): A ``.jsonl`` file, a ``.parquet``/``.json`` file or folder of them, or a ``save_to_disk`` folder.
-        kind (str): ``"chat"`` (OpenAI-style ``messages``, rendered with the chat template) or ``"text"``
-            (pretraining ``{"text": ...}``).
+        kind (str): ``"chat"`` (OpenAI-style ``messages``, rendered with the chat template), ``"text"``
+            (pretraining ``{"text": ...}``) or ``"preference"`` (pairs of a chosen and a rejected response to one
+            prompt, :mod:`xtl.data.preference`: every row yields two samples, chosen then rejected).
         format (str): ``"auto"`` (from the suffix / folder contents), ``"jsonl"``, ``"hf_disk"``, ``"parquet"``,
             ``"json"``.
         sample_ratio (float): Share of this source in the mix: 2.0 repeats every sample twice, 0.5 keeps a seeded
-            half. Applied to tokenized samples (after chunking).
+            half. Applied to tokenized samples (after chunking); for ``kind="preference"`` to pairs.
         name (str | None): Display name; defaults to the file stem.
         split (str | None): Split to use when ``path`` holds a ``DatasetDict``.
         text_key (str): Field holding the text for ``kind="text"``.
         messages_key (str): Field holding the messages for ``kind="chat"``.
         chunk_size (int | None): ``kind="text"`` only: split documents longer than this many tokens.
         chunk_overlap (int): Tokens repeated (as unsupervised context) at the start of each continuation chunk.
+        bad_rows (str): ``kind="preference"`` only: a row that cannot form a pair (a missing or empty side, chosen
+            identical to rejected, a response without a supervised token) raises ``DataError`` naming its
+            ``file:line`` (``"error"``, the default) or is skipped and counted (``"drop"``).
     """
 
     path: str
@@ -58,6 +63,7 @@ class SourceSpec:
     messages_key: str = "messages"
     chunk_size: int | None = None
     chunk_overlap: int = 0
+    bad_rows: BadRowPolicy = "error"
 
     @property
     def display_name(self) -> str:

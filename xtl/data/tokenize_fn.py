@@ -1,4 +1,5 @@
-"""The tokenize function of a source kind: ``text`` (pretraining), ``chat`` (messages) or ``vlm_chat`` (images).
+"""The tokenize function of a source kind: ``text`` (pretraining), ``chat`` (messages), ``vlm_chat`` (images) or
+``preference`` (chosen/rejected pairs).
 
 A module of its own so that the text tokenize functions (:mod:`xtl.data.tokenize`) and the vision one
 (:mod:`xtl.data.multimodal`, built on them) stay below the one place that chooses between them.
@@ -12,6 +13,7 @@ from transformers import PreTrainedTokenizerBase
 
 from xtl.data.item import DataError
 from xtl.data.multimodal import ImageProcessorConfig, VisionChatTokenizeFn
+from xtl.data.preference import PREFERENCE_KIND, PreferenceTokenizeFn
 from xtl.data.tokenize import ChatTokenizeFn, PretrainTokenizeFn, TokenizeFn
 
 
@@ -27,21 +29,23 @@ def build_tokenize_fn(
     eos_token: str | None = None,
     image_processor: Any = None,
     image_root: str | None = None,
+    bad_rows: str = "error",
 ) -> TokenizeFn:
     """Build the tokenize function for a source kind.
 
     Args:
-        kind (str): ``"chat"``, ``"text"`` or ``"vlm_chat"`` (chat with image content parts).
+        kind (str): ``"chat"``, ``"text"``, ``"vlm_chat"`` (chat with image content parts) or ``"preference"``.
         tokenizer (PreTrainedTokenizerBase): Fast tokenizer.
-        template (str): Chat template name (chat only).
+        template (str): Chat template name (chat and preference).
         text_key (str): Text field (text only).
         messages_key (str): Messages field (chat only).
         chunk_size (int | None): Long-document chunking (text only).
         chunk_overlap (int): Chunk overlap (text only).
-        template_kwargs (dict | None): Template overrides (chat only).
+        template_kwargs (dict | None): Template overrides (chat and preference).
         eos_token (str | None): EOS override (text only).
         image_processor (Any): ``vlm_chat`` only: :class:`xtl.data.multimodal.ImageProcessorConfig` (or its fields).
         image_root (str | None): ``vlm_chat`` only: folder of relative image paths (default: the JSONL's folder).
+        bad_rows (str): ``preference`` only: ``"error"`` or ``"drop"`` for rows that cannot form a pair.
 
     Returns:
         TokenizeFn: The function.
@@ -62,4 +66,14 @@ def build_tokenize_fn(
             messages_key=messages_key,
             template_kwargs=template_kwargs,
         )
-    raise DataError(f"unknown source kind {kind!r}; use 'chat' (messages), 'text' (pretraining) or 'vlm_chat'")
+    if kind == PREFERENCE_KIND:
+        return PreferenceTokenizeFn(
+            tokenizer,
+            template=template,
+            template_kwargs=template_kwargs,
+            bad_rows=bad_rows,  # type: ignore[arg-type]
+        )
+    raise DataError(
+        f"unknown source kind {kind!r}; use 'chat' (messages), 'text' (pretraining), 'preference' (chosen/rejected "
+        "pairs) or 'vlm_chat'"
+    )
