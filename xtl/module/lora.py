@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -81,6 +82,20 @@ def lora_layers(model: nn.Module) -> Iterator[tuple[str, nn.Linear]]:
             yield name, module
 
 
+@contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """Within the block, every adapted layer of ``model`` computes its base output only (the adapters stay in place,
+    untouched): the base model, e.g. the reference of preference optimization, without a second copy of it."""
+    layers = [layer for _, layer in lora_layers(model)]
+    for layer in layers:
+        layer.lora_enabled = False
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.lora_enabled = True
+
+
 def merged_weight(layer: nn.Linear, weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor) -> torch.Tensor:
     """``weight + scaling * B @ A`` in fp32, cast back to ``weight``'s dtype (full, unsharded tensors)."""
     delta = (lora_b.float() @ lora_a.float()) * layer.lora_scaling
@@ -88,6 +103,8 @@ def merged_weight(layer: nn.Linear, weight: torch.Tensor, lora_a: torch.Tensor, 
 
 
 def _add_adapter_output(layer: nn.Module, args: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor:
+    if not getattr(layer, "lora_enabled", True):
+        return output
     x = args[0]
     x = x.to(layer.lora_A.weight.dtype) if not torch.is_autocast_enabled(x.device.type) else x
     return output + layer.lora_B(layer.lora_A(layer.lora_dropout(x))) * layer.lora_scaling

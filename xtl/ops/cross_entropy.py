@@ -49,6 +49,13 @@ def cross_entropy_sum(
     return loss_sum, (flat_targets != ignore_index).sum()
 
 
+def token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """Per-position cross-entropy in fp32 (``-log p(target)``), flattened ``(N,)`` over ``targets``' positions, 0 where
+    ``ignore_index``."""
+    flat = logits.float().reshape(-1, logits.shape[-1])
+    return F.cross_entropy(flat, targets.reshape(-1).to(flat.device), ignore_index=ignore_index, reduction="none")
+
+
 def cross_entropy_mean(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
     """Mean token cross-entropy in fp32, the exact op of transformers' ``ForCausalLMLoss``."""
     flat_logits = logits.float().reshape(-1, logits.shape[-1])

@@ -178,6 +178,7 @@ class Qwen3VL(BaseModel):
         seq_ctx: SequenceContext | None = None,
         return_logits: bool = True,
         return_hidden_states: bool = False,
+        return_token_losses: bool = False,
     ) -> ModelOutput:
         """Run vision tower, merger and language model (see the class docstring).
 
@@ -194,12 +195,13 @@ class Qwen3VL(BaseModel):
             seq_ctx: A packed batch (images in ``extras``); excludes the HF-style arguments.
             return_logits: Keep logits in the output.
             return_hidden_states: Keep the final hidden states in the output.
+            return_token_losses: Also return each position's cross-entropy (:meth:`Dense.forward`).
         """
         lm = self.language_model
         if seq_ctx is not None:
             if any(a is not None for a in (input_ids, inputs_embeds, attention_mask, position_ids, pixel_values)):
                 raise ValueError("pass either seq_ctx or the HF-style arguments, not both")
-            return self._forward_packed(seq_ctx, labels, return_logits, return_hidden_states)
+            return self._forward_packed(seq_ctx, labels, return_logits, return_hidden_states, return_token_losses)
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("exactly one of input_ids and inputs_embeds must be given")
         if inputs_embeds is None:
@@ -218,10 +220,16 @@ class Qwen3VL(BaseModel):
                 position_ids=position_ids,
                 return_logits=return_logits,
                 return_hidden_states=return_hidden_states,
+                return_token_losses=return_token_losses,
             )
 
     def _forward_packed(
-        self, seq_ctx: SequenceContext, labels: torch.Tensor | None, return_logits: bool, return_hidden_states: bool
+        self,
+        seq_ctx: SequenceContext,
+        labels: torch.Tensor | None,
+        return_logits: bool,
+        return_hidden_states: bool,
+        return_token_losses: bool,
     ) -> ModelOutput:
         lm = self.language_model
         input_ids = seq_ctx.input_ids
@@ -245,6 +253,7 @@ class Qwen3VL(BaseModel):
                 seq_ctx=packed,
                 return_logits=return_logits,
                 return_hidden_states=return_hidden_states,
+                return_token_losses=return_token_losses,
             )
 
     def _merge_images(
