@@ -4,6 +4,8 @@ from xtl.train.base import LanguageModule
 from xtl.train.family import Family, RouterTraining, family_of
 from xtl.train.model_spec import resolve_model_config
 from xtl.train.optim import AdamWConfig, OptimizerConfig, ScheduleConfig, TorchOptimizer
+from xtl.train.preference import PreferenceModule
+from xtl.train.preference_loss import PreferenceLoss
 from xtl.utils import resolve_path
 
 # Modules of earlier releases, folded into LanguageModule: name -> what to write instead.
@@ -35,6 +37,8 @@ __all__ = [
     "Family",
     "LanguageModule",
     "OptimizerConfig",
+    "PreferenceLoss",
+    "PreferenceModule",
     "RouterTraining",
     "ScheduleConfig",
     "TorchOptimizer",

@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 import torch
 import torchmetrics
+from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
 from xtl.batch import ModelOutput
@@ -47,7 +48,7 @@ def sequence_logps(output: ModelOutput, batch: MicroBatch) -> tuple[SequenceLogp
         ``(SequenceLogps, nll_sum)``, with gradient.
     """
     ctx, pairs = batch.seq_ctx, pair_count(batch)
-    losses = output.token_losses[0]
+    losses = output.token_losses
     positions = output.token_positions
     if positions is None:
         positions = torch.arange(losses.numel(), device=losses.device)
@@ -120,6 +121,15 @@ class PreferenceModule(LanguageModule):
             reference = self.parallelizer.parallelize(reference, [], weights)
             reference.requires_grad_(False)
             self._reference = [reference.eval()]
+
+    def on_fit_start(self) -> None:
+        """Say which objective and reference train."""
+        objective, mode = self.objective, self.resolved_reference
+        what = {"live": "a frozen copy of the starting weights, sharded like the policy",
+                "adapters_off": "the model with its LoRA adapters off", "none": "none needed"}[mode]  # fmt: skip
+        rank_zero_info(
+            f"xtl preference: loss {objective.loss_type} (beta {objective.beta}), reference: {mode} ({what})"
+        )
 
     @property
     def resolved_reference(self) -> str:

@@ -160,3 +160,6 @@ class PreferenceLoss:
 def _log1mexp(x: torch.Tensor) -> torch.Tensor:
     """``log(1 - exp(x))`` for ``x < 0``, stable on both sides of ``-log 2``."""
     return torch.where(x > -0.6931471805599453, torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
+
+
+torch.serialization.add_safe_globals([PreferenceLoss])  # a hyperparameter in checkpoints (weights_only loads)

@@ -1,0 +1,464 @@
+"""xtl's preference objectives against TRL's own trainers, on the same weights and the same token ids.
+
+For each loss TRL implements, TRL (``DPOTrainer``; ``CPOTrainer`` with ``loss_type: simpo``; ``ORPOTrainer``)
+tokenizes and collates a few pairs and computes its loss and logged metrics with its own code on its own batch. xtl
+packs the same ids (one document per sequence, chosen then rejected; labels where TRL's completion mask / labels mark
+the response), runs the same fp32 weights (a tiny Qwen3 saved by transformers, loaded with ``from_hf``) and computes
+:func:`~xtl.train.preference.sequence_logps` and :meth:`~xtl.train.preference_loss.PreferenceLoss.terms`; the
+step's loss is ``loss_sum / P + nll_weight * nll_sum / N`` (``P`` pairs, ``N`` chosen response tokens) and its
+metrics ``metric_sums / P``.
+
+The policy differs from the reference (its weights are perturbed), so the DPO rewards are far from zero, and some
+pairs are ranked right and some wrong. TRL's configs default to ``bf16=True`` even on CPU, under which accelerate runs
+the (prepared) reference model in a bf16 autocast: every config here sets ``bf16=False``, so both sides are fp32.
+
+Two differences between xtl and TRL 1.16 are pinned here rather than hidden:
+
+- ``DPOTrainer``'s ``sigmoid`` loss ignores ``label_smoothing``; xtl's is then conservative DPO (cDPO, which earlier
+  TRL releases applied through ``label_smoothing``), checked against TRL's sigmoid loss on the batch and on the batch
+  with chosen and rejected swapped: ``(1 - e) * L(batch) + e * L(swapped)``.
+- ``ORPOTrainer``'s NLL term covers the prompt as well as the chosen response; xtl's covers the response (its labels).
+  The whole loss is compared on one-token prompts (where the prompt has no target, so both cover the same tokens);
+  with longer prompts the odds-ratio term (TRL's loss minus its logged ``nll_loss``) is compared.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from xtl.data.collate import MicroBatch, collate_pack
+from xtl.data.packing import Pack
+from xtl.model import get_model_config_from_hf
+from xtl.train.preference import pair_count, sequence_logps
+from xtl.train.preference_loss import METRICS, PairTerms, PreferenceLoss, SequenceLogps
+from xtl.utils import resolve_pretrained
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*is deprecated and will be removed in v6:FutureWarning")
+trl = pytest.importorskip("trl")
+datasets = pytest.importorskip("datasets")
+
+from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM  # noqa: E402
+
+with warnings.catch_warnings():  # "You are importing from 'trl.experimental'"
+    warnings.simplefilter("ignore")
+    from trl.experimental.cpo import CPOConfig, CPOTrainer
+    from trl.experimental.orpo import ORPOConfig, ORPOTrainer
+
+# Both sides are fp32 and see the same ids and weights. RTOL bounds (1) xtl's per-sequence log-probabilities against
+# TRL's (sums of 9-31 token log-probs of about -7: they agree to 1-2 ulps, ~1e-7 relative) and (2) xtl's loss and
+# metrics computed from TRL's own per-sequence log-probabilities against TRL's (the same formula in another order:
+# ~1e-7 relative). E2E_RTOL bounds xtl's loss and metrics from its own packed forward against TRL's: the rewards,
+# margins and losses are differences of log-probabilities (policy minus reference, chosen minus rejected) one to three
+# orders of magnitude smaller than them, so the 1-2 ulps of (1) become up to ~2e-5 relative there.
+RTOL = 1e-6
+E2E_RTOL = 1e-4
+TINY_QWEN3 = dict(
+    vocab_size=1600, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=8, max_position_embeddings=256, initializer_range=0.1, tie_word_embeddings=False,
+)  # fmt: skip
+
+
+def _turns(prompt: str, chosen: str, rejected: str) -> dict:
+    return {
+        "prompt": [{"role": "user", "content": prompt}],
+        "chosen": [{"role": "assistant", "content": chosen}],
+        "rejected": [{"role": "assistant", "content": rejected}],
+    }
+
+
+# conversational pairs of different lengths (the chosen response is sometimes the longer, sometimes the shorter)
+CHAT_ROWS = [
+    _turns("What colour is the sky?", "Blue, on a clear day.", "Green."),
+    _turns("Name a fruit.", "An apple.", "A chair is a fruit, obviously, and so is a table."),
+    _turns("Two plus two?", "Four.", "Five, I think, or maybe six."),
+    _turns("Say hello.", "Hello there, nice to meet you!", "No."),
+]
+# plain pairs whose prompt is one token: no prompt token is a target, so ORPO's NLL (prompt and response in TRL)
+# covers the same tokens as xtl's (the response)
+ONE_TOKEN_PROMPT_ROWS = [
+    {"prompt": "The", "chosen": " sky is blue.", "rejected": " sky is green, or red."},
+    {"prompt": "Q", "chosen": ": what is two plus two?", "rejected": ": no."},
+    {"prompt": "The", "chosen": " cat sat on the mat.", "rejected": " mat sat on the cat, said the dog."},
+]
+
+
+@pytest.fixture(autouse=True)
+def _offline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No hub access: everything is built locally."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+
+
+@dataclass
+class Weights:
+    """The reference and the (perturbed) policy, as transformers checkpoints and as xtl models."""
+
+    reference_dir: Path
+    policy_dir: Path
+    reference: torch.nn.Module
+    policy: torch.nn.Module
+
+    def hf(self, which: str) -> Qwen3ForCausalLM:
+        """A fresh transformers copy (each TRL trainer patches the forward of the models it gets)."""
+        path = self.policy_dir if which == "policy" else self.reference_dir
+        return Qwen3ForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=torch.float32).eval()
+
+
+def _load_xtl(path: Path) -> torch.nn.Module:
+    with torch.device("meta"):
+        model = get_model_config_from_hf(path).build()
+    model.from_hf(path)
+    return model.float().eval()
+
+
+@pytest.fixture(scope="module")
+def weights(tmp_path_factory: pytest.TempPathFactory) -> Weights:
+    root = tmp_path_factory.mktemp("preference_trl")
+    torch.manual_seed(0)
+    reference = Qwen3ForCausalLM(Qwen3Config(**TINY_QWEN3, attn_implementation="eager")).eval()
+    policy = copy.deepcopy(reference)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(0.03 * torch.randn(p.shape, generator=g))
+    reference.save_pretrained(root / "reference")
+    policy.save_pretrained(root / "policy")
+    return Weights(root / "reference", root / "policy", _load_xtl(root / "reference"), _load_xtl(root / "policy"))
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(resolve_pretrained("tiny:", "tokenizer"))
+
+
+# ---- TRL side --------------------------------------------------------------------------------------------------
+
+Sequence = tuple[np.ndarray, np.ndarray]  # (ids, unshifted labels: the id on response tokens, -100 elsewhere)
+
+
+@dataclass
+class TrlRun:
+    """What TRL computed on its batch: its loss, its logged metrics, its per-sequence log-probabilities (with its
+    response token counts), and its sequences as (chosen, rejected) pairs for xtl to pack."""
+
+    trainer: object
+    batch: dict
+    loss: float
+    metrics: dict[str, float]
+    policy: SequenceLogps
+    reference: SequenceLogps | None
+    pairs: list[tuple[Sequence, Sequence]]
+
+
+def _common_args(tmp_path: Path, rows: list[dict]) -> dict:
+    return dict(
+        output_dir=str(tmp_path), report_to=[], use_cpu=True, bf16=False, per_device_train_batch_size=len(rows),
+        save_strategy="no", logging_strategy="no", disable_tqdm=True,
+    )  # fmt: skip
+
+
+def _dpo_pairs(batch: dict) -> list[tuple[Sequence, Sequence]]:
+    """DPO rows are [chosen of every pair, rejected of every pair]; labels where ``completion_mask`` is set."""
+    ids, attention, completion = batch["input_ids"], batch["attention_mask"].bool(), batch["completion_mask"].bool()
+    half = ids.shape[0] // 2
+
+    def sequence(row: int) -> Sequence:
+        keep = attention[row]
+        row_ids = ids[row][keep]
+        return row_ids.numpy(), torch.where(completion[row][keep], row_ids, -100).numpy()
+
+    return [(sequence(k), sequence(half + k)) for k in range(half)]
+
+
+def _cpo_pairs(batch: dict) -> list[tuple[Sequence, Sequence]]:
+    """CPO/ORPO batches hold ``chosen_*`` and ``rejected_*`` tensors; labels are their ``*_labels``."""
+
+    def sequence(side: str, k: int) -> Sequence:
+        keep = batch[f"{side}_attention_mask"][k].bool()
+        return batch[f"{side}_input_ids"][k][keep].numpy(), batch[f"{side}_labels"][k][keep].numpy()
+
+    return [(sequence("chosen", k), sequence("rejected", k)) for k in range(len(batch["chosen_input_ids"]))]
+
+
+def run_dpo(weights: Weights, tokenizer, tmp_path: Path, rows: list[dict], **config) -> TrlRun:
+    """``DPOTrainer.compute_loss`` on the collated rows (policy in eval mode: metrics land in ``_metrics['eval']``);
+    the per-sequence log-probabilities from its ``compute_ref_log_probs`` (the same fused-head call and sum)."""
+    args = trl.DPOConfig(**_common_args(tmp_path, rows), **config)
+    trainer = trl.DPOTrainer(
+        model=weights.hf("policy"),
+        ref_model=weights.hf("reference"),
+        args=args,
+        train_dataset=datasets.Dataset.from_list(rows),
+        processing_class=tokenizer,
+    )
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(len(rows))])
+    trainer.model.eval()
+    with torch.no_grad():
+        loss = trainer.compute_loss(trainer.model, batch)
+    metrics = {name: trainer._metrics["eval"][name][-1] for name in METRICS}
+    chosen_tokens, rejected_tokens = batch["completion_mask"].sum(dim=1).float().chunk(2)
+    policy, reference = (
+        SequenceLogps(*trainer.compute_ref_log_probs(model, batch), chosen_tokens, rejected_tokens)
+        for model in (trainer.model, trainer.ref_model)
+    )
+    return TrlRun(trainer, batch, float(loss), metrics, policy, reference, _dpo_pairs(batch))
+
+
+def run_reference_free(kind: str, weights: Weights, tokenizer, tmp_path: Path, rows: list[dict], **config) -> TrlRun:
+    """``CPOTrainer`` / ``ORPOTrainer.compute_loss`` (which returns its logged metrics) on the collated rows; the
+    per-sequence log-probabilities from their ``concatenated_forward`` (averaged per token for SimPO and ORPO)."""
+    config_cls, trainer_cls = (CPOConfig, CPOTrainer) if kind == "cpo" else (ORPOConfig, ORPOTrainer)
+    args = config_cls(**_common_args(tmp_path, rows), max_length=256, **config)
+    trainer = trainer_cls(
+        model=weights.hf("policy"),
+        args=args,
+        train_dataset=datasets.Dataset.from_list(rows),
+        processing_class=tokenizer,
+    )
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(len(rows))])
+    trainer.model.eval()
+    with torch.no_grad():
+        loss, metrics = trainer.compute_loss(trainer.model, batch, return_outputs=True)
+        chosen, rejected = trainer.concatenated_forward(trainer.model, batch)[:2]
+    metrics = {name: float(value) for name, value in metrics.items()}
+    chosen_tokens, rejected_tokens = (
+        (batch[f"{s}_labels"][:, 1:] != -100).sum(1).float() for s in ("chosen", "rejected")
+    )
+    policy = SequenceLogps(chosen * chosen_tokens, rejected * rejected_tokens, chosen_tokens, rejected_tokens)
+    return TrlRun(trainer, batch, float(loss), metrics, policy, None, _cpo_pairs(batch))
+
+
+# ---- xtl side --------------------------------------------------------------------------------------------------
+
+
+def pack(pairs: list[tuple[Sequence, Sequence]], padding: int = 0) -> MicroBatch:
+    """One packed micro-batch: chosen, rejected, chosen, rejected, ... (labels unshifted; collate shifts them),
+    then ``padding`` padding tokens."""
+    sequences = [s for pair in pairs for s in pair]
+    ids = np.concatenate([s[0] for s in sequences]).astype(np.int64)
+    labels = np.concatenate([s[1] for s in sequences]).astype(np.int64)
+    return collate_pack(Pack(0, ids, labels, [len(s[0]) for s in sequences]), 0, len(ids) + padding)
+
+
+def logps(model: torch.nn.Module, mb: MicroBatch) -> tuple[SequenceLogps, torch.Tensor]:
+    with torch.no_grad():
+        output = model(seq_ctx=mb.seq_ctx, labels=mb.labels, return_logits=False, return_token_losses=True)
+    return sequence_logps(output, mb)
+
+
+def step(
+    objective: PreferenceLoss, policy: SequenceLogps, reference: SequenceLogps | None, nll_sum: torch.Tensor
+) -> tuple[float, dict[str, float]]:
+    """The step's loss and logged metrics when one micro-batch holds every pair (as ``PreferenceModule``)."""
+    terms = objective.terms(policy, reference, nll_sum)
+    pairs = policy.chosen.numel()
+    loss = terms.loss_sum / pairs + objective.nll_weight * terms.nll_sum / policy.chosen_tokens.sum()
+    return float(loss), {name: float(value / pairs) for name, value in terms.metric_sums.items()}
+
+
+def xtl_step(weights: Weights, objective: PreferenceLoss, pairs: list) -> tuple[float, dict[str, float]]:
+    """:func:`step` on xtl's own forward of the pairs, packed (with padding) into one micro-batch."""
+    mb = pack(pairs, padding=7)
+    assert pair_count(mb) == len(pairs)
+    policy, nll_sum = logps(weights.policy, mb)
+    reference = logps(weights.reference, mb)[0] if objective.needs_reference else None
+    return step(objective, policy, reference, nll_sum)
+
+
+def trl_logps_step(objective: PreferenceLoss, run: TrlRun) -> tuple[float, dict[str, float]]:
+    """:func:`step` on TRL's own per-sequence log-probabilities (the NLL sum is minus the chosen ones, as in
+    :func:`sequence_logps`)."""
+    return step(objective, run.policy, run.reference, -run.policy.chosen.sum())
+
+
+def assert_rel(actual: float, expected: float, what: str, rtol: float) -> None:
+    """``|actual - expected| <= rtol * |expected|`` (an exact match for a zero)."""
+    assert abs(actual - expected) <= rtol * abs(expected), f"{what}: xtl {actual!r} vs TRL {expected!r}"
+
+
+def assert_matches(
+    result: tuple[float, dict[str, float]], run: TrlRun, rtol: float, expected_loss: float | None = None
+) -> None:
+    """xtl's ``(loss, metrics)`` equal TRL's (or ``expected_loss``) within ``rtol``."""
+    loss, metrics = result
+    assert_rel(loss, run.loss if expected_loss is None else expected_loss, "loss", rtol)
+    for name in METRICS:
+        assert_rel(metrics[name], run.metrics[name], name, rtol)
+
+
+# ---- tests -----------------------------------------------------------------------------------------------------
+
+DPO_CASES = {
+    "sigmoid": (dict(loss_type=["sigmoid"], beta=0.1), PreferenceLoss("sigmoid", beta=0.1)),
+    "hinge": (dict(loss_type=["hinge"], beta=0.5), PreferenceLoss("hinge", beta=0.5)),  # two of four pairs at 0
+    "ipo": (dict(loss_type=["ipo"], beta=0.3), PreferenceLoss("ipo", beta=0.3)),
+    "robust": (
+        dict(loss_type=["robust"], beta=0.1, label_smoothing=0.1),
+        PreferenceLoss("robust", beta=0.1, label_smoothing=0.1),
+    ),
+    "sigmoid_rpo": (
+        dict(loss_type=["sigmoid", "sft"], loss_weights=[1.0, 0.5], beta=0.1),
+        PreferenceLoss("sigmoid", beta=0.1, rpo_alpha=0.5),
+    ),
+}
+SIMPO_CASES = {
+    "simpo": (dict(beta=2.0, simpo_gamma=0.8, cpo_alpha=0.0), PreferenceLoss("simpo", beta=2.0, gamma=0.8)),
+    "simpo_nll": (
+        dict(beta=2.0, simpo_gamma=0.8, cpo_alpha=0.5),
+        PreferenceLoss("simpo", beta=2.0, gamma=0.8, rpo_alpha=0.5),
+    ),
+    "simpo_smoothed": (
+        dict(beta=2.0, simpo_gamma=0.8, cpo_alpha=0.0, label_smoothing=0.1),
+        PreferenceLoss("simpo", beta=2.0, gamma=0.8, label_smoothing=0.1),
+    ),
+}
+
+
+class TestDPOLossesMatchTRL:
+    """DPO family: TRL's ``DPOTrainer`` loss and reward metrics on its batch equal xtl's, on TRL's per-sequence
+    log-probabilities within ``RTOL`` and on xtl's own packed forward within ``E2E_RTOL``."""
+
+    @pytest.mark.parametrize("case", sorted(DPO_CASES))
+    def test_loss_and_metrics(self, case, weights, tokenizer, tmp_path):
+        config, objective = DPO_CASES[case]
+        run = run_dpo(weights, tokenizer, tmp_path, CHAT_ROWS, **config)
+        assert_matches(trl_logps_step(objective, run), run, RTOL)
+        result = xtl_step(weights, objective, run.pairs)
+        assert_matches(result, run, E2E_RTOL)
+        assert 0 < result[1]["rewards/accuracies"] < 1  # some pairs ranked right, some wrong
+
+    def test_conservative_sigmoid_is_trl_sigmoid_mixed_with_swapped_pairs(self, weights, tokenizer, tmp_path):
+        """xtl's ``sigmoid`` with ``label_smoothing`` e (cDPO) is ``(1 - e) L(d) + e L(-d)``. TRL 1.16's sigmoid
+        ignores ``label_smoothing``, so ``L(-d)`` is its own loss on its batch with the chosen and rejected rows
+        swapped. Tolerances as above."""
+        smoothing = 0.1
+        run = run_dpo(weights, tokenizer, tmp_path, CHAT_ROWS, loss_type=["sigmoid"], beta=0.1, label_smoothing=0.1)
+        half = run.batch["input_ids"].shape[0] // 2
+        swapped = {key: torch.cat([value[half:], value[:half]]) for key, value in run.batch.items()}
+        with torch.no_grad():
+            flipped = float(run.trainer.compute_loss(run.trainer.model, swapped))
+        expected = (1 - smoothing) * run.loss + smoothing * flipped
+        assert abs(expected - run.loss) > 1e-3 * run.loss  # TRL's own loss is the unsmoothed one
+        objective = PreferenceLoss("sigmoid", beta=0.1, label_smoothing=smoothing)
+        assert_matches(trl_logps_step(objective, run), run, RTOL, expected_loss=expected)
+        assert_matches(xtl_step(weights, objective, run.pairs), run, E2E_RTOL, expected_loss=expected)
+
+    def test_sequence_logps(self, weights, tokenizer, tmp_path):
+        """Each response's summed log-probability (policy and reference) and token count equal TRL's within
+        ``RTOL``: the packed forward (with padding and a head restricted to the supervised rows) scores the same
+        tokens as TRL's padded fused-head one."""
+        run = run_dpo(weights, tokenizer, tmp_path, CHAT_ROWS, loss_type=["sigmoid"])
+        mb = pack(run.pairs, padding=7)
+        assert mb.seq_ctx.loss_positions is not None and mb.seq_ctx.num_padding == 7
+        for ours, theirs in (
+            (logps(weights.policy, mb)[0], run.policy),
+            (logps(weights.reference, mb)[0], run.reference),
+        ):
+            torch.testing.assert_close(ours.chosen, theirs.chosen, rtol=RTOL, atol=0)
+            torch.testing.assert_close(ours.rejected, theirs.rejected, rtol=RTOL, atol=0)
+            assert torch.equal(ours.chosen_tokens, theirs.chosen_tokens)
+            assert torch.equal(ours.rejected_tokens, theirs.rejected_tokens)
+
+
+class TestSimPOMatchesTRL:
+    """SimPO: TRL's ``CPOTrainer(loss_type="simpo")`` loss (``cpo_alpha`` is xtl's ``rpo_alpha``) and metrics equal
+    xtl's, on TRL's per-sequence log-probabilities within ``RTOL`` and on xtl's forward within ``E2E_RTOL``."""
+
+    @pytest.mark.parametrize("case", sorted(SIMPO_CASES))
+    def test_loss_and_metrics(self, case, weights, tokenizer, tmp_path):
+        config, objective = SIMPO_CASES[case]
+        run = run_reference_free("cpo", weights, tokenizer, tmp_path, CHAT_ROWS, loss_type="simpo", **config)
+        assert_matches(trl_logps_step(objective, run), run, RTOL)
+        result = xtl_step(weights, objective, run.pairs)
+        assert_matches(result, run, E2E_RTOL)
+        assert 0 < result[1]["rewards/accuracies"] < 1
+
+    def test_average_logps(self, weights, tokenizer, tmp_path):
+        """Each response's log-probability per token (TRL's ``concatenated_forward``) equals xtl's summed
+        log-probability over its token count, within ``RTOL``; the token counts are equal."""
+        run = run_reference_free("cpo", weights, tokenizer, tmp_path, CHAT_ROWS, loss_type="simpo")
+        ours = logps(weights.policy, pack(run.pairs, padding=7))[0]
+        for side in ("chosen", "rejected"):
+            tokens = getattr(ours, f"{side}_tokens")
+            assert torch.equal(tokens, getattr(run.policy, f"{side}_tokens"))
+            expected = getattr(run.policy, side) / tokens
+            torch.testing.assert_close(getattr(ours, side) / tokens, expected, rtol=RTOL, atol=0)
+
+
+class TestORPOMatchesTRL:
+    """ORPO: TRL's ``ORPOTrainer`` loss and metrics equal xtl's, on TRL's per-sequence log-probabilities within
+    ``RTOL`` and on xtl's forward within ``E2E_RTOL``."""
+
+    def test_loss_and_metrics(self, weights, tokenizer, tmp_path):
+        """The whole loss, NLL included, on one-token prompts (TRL's NLL also covers the prompt, which then has no
+        target)."""
+        run = run_reference_free("orpo", weights, tokenizer, tmp_path, ONE_TOKEN_PROMPT_ROWS, beta=0.2)
+        assert all(int((s[1] == -100).sum()) == 1 for pair in run.pairs for s in pair)  # the prompt token only
+        objective = PreferenceLoss("orpo", beta=0.2)
+        assert_matches(trl_logps_step(objective, run), run, RTOL)
+        result = xtl_step(weights, objective, run.pairs)
+        assert_matches(result, run, E2E_RTOL)
+        assert 0 < result[1]["rewards/accuracies"] < 1
+
+    def test_odds_ratio_term_with_prompts(self, weights, tokenizer, tmp_path):
+        """On chat prompts, TRL's loss minus its NLL (which covers the prompt too) is xtl's loss without its NLL
+        (the odds-ratio term ``loss_sum / P``); the metrics are equal."""
+        run = run_reference_free("orpo", weights, tokenizer, tmp_path, CHAT_ROWS, beta=0.2)
+        objective = PreferenceLoss("orpo", beta=0.2)
+        expected = run.loss - run.metrics["nll_loss"]
+        nll = -run.policy.chosen.sum() / run.policy.chosen_tokens.sum()  # xtl's NLL term: the responses only
+        assert abs(float(nll) - run.metrics["nll_loss"]) > 1e-3 * run.metrics["nll_loss"]
+        loss, metrics = trl_logps_step(objective, run)
+        assert_matches((loss - float(nll), metrics), run, RTOL, expected_loss=expected)
+        mb = pack(run.pairs)
+        policy, nll_sum = logps(weights.policy, mb)
+        loss, metrics = step(objective, policy, None, nll_sum)
+        loss -= float(nll_sum / policy.chosen_tokens.sum())
+        assert_matches((loss, metrics), run, E2E_RTOL, expected_loss=expected)
+
+
+PACKING_OBJECTIVES = {
+    "sigmoid_rpo": PreferenceLoss("sigmoid", beta=0.1, rpo_alpha=0.5),
+    "ipo": PreferenceLoss("ipo", beta=0.3),
+    "robust": PreferenceLoss("robust", beta=0.1, label_smoothing=0.1),
+    "simpo": PreferenceLoss("simpo", beta=2.0, gamma=0.8),
+    "orpo": PreferenceLoss("orpo", beta=0.2),
+}
+
+
+@pytest.fixture(scope="module")
+def chat_pairs(weights, tokenizer, tmp_path_factory) -> list[tuple[Sequence, Sequence]]:
+    """The chat pairs as ``DPOTrainer`` tokenizes and collates them."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        return run_dpo(weights, tokenizer, tmp_path_factory.mktemp("dpo"), CHAT_ROWS).pairs
+
+
+class TestPackedEqualsUnpacked:
+    """All pairs in one padded pack give the same loss, NLL and metric sums as one pair per pack (summed), within
+    ``RTOL`` (1e-6 relative; the same tokens through attention and head calls of other shapes, which on CPU give the
+    same bits)."""
+
+    @pytest.mark.parametrize("name", sorted(PACKING_OBJECTIVES))
+    def test_sums(self, name, weights, chat_pairs):
+        objective = PACKING_OBJECTIVES[name]
+
+        def terms(mb: MicroBatch) -> PairTerms:
+            policy, nll_sum = logps(weights.policy, mb)
+            reference = logps(weights.reference, mb)[0] if objective.needs_reference else None
+            return objective.terms(policy, reference, nll_sum)
+
+        packed = terms(pack(chat_pairs, padding=7))
+        singles = [terms(pack([pair])) for pair in chat_pairs]
+        assert_rel(float(packed.loss_sum), float(sum(t.loss_sum for t in singles)), "loss_sum", RTOL)
+        assert_rel(float(packed.nll_sum), float(sum(t.nll_sum for t in singles)), "nll_sum", RTOL)
+        for key in METRICS:
+            total = float(sum(t.metric_sums[key] for t in singles))
+            assert_rel(float(packed.metric_sums[key]), total, key, RTOL)
