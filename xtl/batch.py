@@ -162,7 +162,7 @@ class ModelOutput:
         logits: Vocabulary logits, if requested.
         hidden_states: Final hidden states (after the last norm), if requested.
         extras: Family extras (router losses, tokens per expert, ...).
-        token_losses: Per-position cross-entropy, flat ``(N,)``, fp32, 0 where no loss, if requested.
+        token_losses: Per-position cross-entropy, flat ``(N,)``, fp32 (fp64 for an fp64 model), 0 where no loss.
         token_positions: The packed positions of ``token_losses`` (``(N,)``; ``None``: every position, in order).
     """
 
