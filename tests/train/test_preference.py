@@ -1,4 +1,5 @@
-"""Preference optimization on packed pairs: per-response log-probabilities, the references, normalization, refusals.
+"""Preference optimization on packed pairs: per-response log-probabilities, the references (the precomputed table
+included), normalization, refusals.
 
 The TRL parity of the losses is in ``test_preference_trl.py``; the runs through ``xtl fit`` in
 ``test_preference_fit.py``.
@@ -7,16 +8,30 @@ The TRL parity of the losses is in ``test_preference_trl.py``; the runs through 
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
-from xtl.data import Pack, collate_pack
+from xtl.data import Pack, XTLDataModule, collate_pack
+from xtl.data.packing import PackPlan
+from xtl.data.sources import FileHashMemo
 from xtl.errors import ConfigError
 from xtl.module.lora import adapters_disabled, add_lora
 from xtl.train import PreferenceLoss, PreferenceModule
 from xtl.train.preference import pair_count, sequence_logps
+from xtl.train.reference_cache import (
+    ReferenceTable,
+    compute_reference_table,
+    load_reference_table,
+    pair_offsets,
+    reference_key,
+    reference_table_path,
+    save_reference_table,
+    weights_fingerprint,
+)
+from xtl.utils import TINY_ASSETS_DIR
 
 MODEL = {
     "model_type": "qwen3", "vocab_size": 97, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
@@ -25,9 +40,9 @@ MODEL = {
 PROMPT = 4
 
 
-def _pairs(lengths: list[int], seed: int = 0):
+def _pairs(lengths: list[int], seed: int = 0, index: int = 0):
     """A pack of pairs with the given document lengths (chosen, rejected, ...): each document starts with the same
-    4 prompt tokens (unsupervised) as its partner."""
+    4 prompt tokens (unsupervised) as its partner; ``index``: the pack's index in its plan."""
     rng = np.random.default_rng(seed)
     ids, labels = [], []
     for k in range(0, len(lengths), 2):
@@ -36,7 +51,7 @@ def _pairs(lengths: list[int], seed: int = 0):
             doc = np.concatenate([prompt, rng.integers(1, 97, length - PROMPT)])
             ids.append(doc)
             labels.append(np.where(np.arange(length) < PROMPT, -100, doc))
-    return collate_pack(Pack(0, np.concatenate(ids), np.concatenate(labels), lengths))
+    return collate_pack(Pack(index, np.concatenate(ids), np.concatenate(labels), lengths))
 
 
 def _module(**kwargs) -> PreferenceModule:
@@ -106,6 +121,197 @@ class TestReference:
 
     def test_reference_free_losses_need_no_reference(self):
         assert _module(objective=PreferenceLoss("orpo")).resolved_reference == "none"
+
+
+PACKS = [[9, 7, 12, 10], [6, 30], [5, 5, 17, 8, 11, 9]]  # three packs of 2, 1 and 3 pairs
+
+
+def _plan(packs: list[list[int]]) -> PackPlan:
+    """A preference plan whose packs hold documents of these lengths (only the segment counts matter here)."""
+    counts = [len(p) for p in packs]
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    ends = np.concatenate([np.array(p, dtype=np.int64) for p in packs])
+    zeros = np.zeros(len(ends), dtype=np.int64)
+    return PackPlan(128, offsets, np.arange(len(ends)), zeros, ends, pairs=True)
+
+
+def _table(module: PreferenceModule, packs: list[list[int]]) -> ReferenceTable:
+    """The precomputed table of these packs, computed by the module's reference forward on one rank."""
+    batches = [_pairs(lengths, seed=i, index=i) for i, lengths in enumerate(packs)]
+    with module._reference_forward() as (forward, _):
+        return compute_reference_table(batches, pair_offsets(_plan(packs)), lambda mb: mb, forward)
+
+
+class TestPrecomputedReference:
+    def test_equals_the_live_reference_without_a_second_model(self):
+        """The table's log-probabilities are those a live reference computes; no second model is built; the table
+        stays while the policy moves (the pair terms then equal live's, whose reference stays too)."""
+        live, precomputed = _module(reference="live"), _module(reference="precomputed")
+        assert precomputed._reference == [] and len(live._reference) == 1
+        precomputed._tables["train"] = _table(precomputed, PACKS)
+        for _ in range(2):
+            for i, lengths in enumerate(PACKS):
+                mb = _pairs(lengths, seed=i, index=i)
+                _, want = live._pair_terms(mb)
+                _, got = precomputed._pair_terms(mb)
+                for key in ("rewards/chosen", "rewards/rejected", "rewards/margins"):
+                    torch.testing.assert_close(got.metric_sums[key], want.metric_sums[key], rtol=1e-6, atol=1e-7)
+                torch.testing.assert_close(got.loss_sum, want.loss_sum, rtol=1e-6, atol=0)
+            with torch.no_grad():  # the policies move alike; their references must not
+                for module in (live, precomputed):
+                    module.model.lm_head.weight.mul_(1.5)
+        assert got.metric_sums["rewards/margins"] != 0
+
+    def test_a_table_of_other_packs_is_refused(self):
+        module = _module(reference="precomputed")
+        module._tables["train"] = _table(module, PACKS)
+        with pytest.raises(ValueError, match="pack 1 holds 2 pairs but the reference table has 1"):
+            module._pair_terms(_pairs([9, 7, 12, 10], index=1))
+        with pytest.raises(RuntimeError, match="no reference table was prepared for val/0"):
+            module._pair_terms(_pairs([9, 7]), "val/0")
+
+    def test_a_moved_policy_is_never_the_reference(self):
+        """On a resumed run the policy has moved: the table comes from a fresh copy of the starting weights."""
+        module = _module(reference="precomputed")
+        want = _table(module, PACKS).logps
+        with torch.no_grad():
+            module.model.lm_head.weight.mul_(1.5)
+        module._trainer = SimpleNamespace(ckpt_path="last.ckpt", global_step=2, strategy=None)
+        with module._reference_forward() as (_, source):
+            assert "copy of the starting weights" in source
+        torch.testing.assert_close(_table(module, PACKS).logps, want, rtol=0, atol=0)
+        assert module.model.training and module._reference == [], "the copy is released, the policy's mode kept"
+
+    def test_under_lora_the_adapters_are_off(self):
+        """Under LoRA the table is the base model's (adapters off), on a fresh run and a resumed one alike."""
+        module = _module(reference="precomputed")
+        want = _table(module, PACKS).logps
+        add_lora(module.model.layers[0].self_attn.q_proj, rank=2, alpha=4)
+        torch.nn.init.normal_(module.model.layers[0].self_attn.q_proj.lora_B.weight)
+        for trainer in (None, SimpleNamespace(ckpt_path="last.ckpt", global_step=2, strategy=None)):
+            module._trainer = trainer
+            with module._reference_forward() as (_, source):
+                assert source == "the model with its LoRA adapters off"
+            torch.testing.assert_close(_table(module, PACKS).logps, want, rtol=0, atol=0)
+        mb = _pairs(PACKS[0])
+        with torch.no_grad():
+            out = module.model(seq_ctx=mb.seq_ctx, labels=mb.labels, return_logits=False, return_token_losses=True)
+        assert not torch.equal(sequence_logps(out, mb)[0].chosen, want[0, :2]), "the adapters are on again"
+
+    def test_needs_the_xtl_data_module(self):
+        module = _module(reference="precomputed")
+        module._trainer = SimpleNamespace(datamodule=None)
+        with pytest.raises(ConfigError, match="reference: precomputed reads the pairs from xtl.data.XTLDataModule"):
+            module._prepare_reference_tables()
+
+    def test_a_reference_free_loss_refuses_it(self):
+        with pytest.raises(ConfigError, match="reference: precomputed, but loss_type 'simpo' uses no reference"):
+            PreferenceModule(MODEL, objective=PreferenceLoss("simpo"), reference="precomputed")
+
+
+class TestReferenceTable:
+    @pytest.mark.parametrize("world", [2, 3, 4])
+    def test_sharded_like_the_data_with_equal_forwards(self, world):
+        """Rank ``r`` computes packs ``r, r + R, ...``; every rank runs ``ceil(packs / R)`` forwards (a sharded
+        forward is a collective); the ranks' shares add up to the one-rank table."""
+        packs = [[4, 4]] * 5  # one pair each
+        offsets = pair_offsets(_plan(packs))
+
+        def table(rank: int, size: int, seen: list[int]) -> torch.Tensor:
+            def forward(pack_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+                seen.append(pack_index)
+                return torch.tensor([-1.0 - pack_index]), torch.tensor([-10.0 - pack_index])
+
+            return compute_reference_table(list(range(5)), offsets, lambda i: SimpleNamespace(to=lambda d: i),
+                                           forward, rank=rank, world_size=size).logps  # fmt: skip
+
+        whole = table(0, 1, [])
+        torch.testing.assert_close(whole, torch.tensor([[-1.0, -2, -3, -4, -5], [-10.0, -11, -12, -13, -14]]))
+        shares, counts = torch.zeros_like(whole), []
+        for rank in range(world):
+            seen: list[int] = []
+            shares += table(rank, world, seen)
+            counts.append(len(seen))
+            assert set(seen) <= set(range(5)) and set(range(rank, 5, world)) <= set(seen)
+        assert counts == [-(-5 // world)] * world
+        torch.testing.assert_close(shares, whole, rtol=0, atol=0)
+
+    def test_lookup(self):
+        table = ReferenceTable(pair_offsets(_plan(PACKS)), torch.arange(12.0).view(2, 6))
+        chosen, rejected = table.lookup(2, 3)
+        assert chosen.tolist() == [3.0, 4.0, 5.0] and rejected.tolist() == [9.0, 10.0, 11.0]
+        with pytest.raises(ValueError, match="pack 3 is outside the reference table"):
+            table.lookup(3, 1)
+
+    def test_stored_atomically_and_read_only_for_its_key_and_packs(self, tmp_path):
+        offsets = pair_offsets(_plan(PACKS))
+        table = ReferenceTable(offsets, torch.randn(2, 6))
+        path = reference_table_path(tmp_path, "ab" * 16)
+        save_reference_table(path, table, "ab" * 16, {"set": "train"})
+        assert [p.name for p in path.parent.iterdir()] == [path.name], "no temporary file left"
+        got = load_reference_table(path, "ab" * 16, offsets)
+        torch.testing.assert_close(got.logps, table.logps, rtol=0, atol=0)
+        assert load_reference_table(path, "cd" * 16, offsets) is None
+        assert load_reference_table(path, "ab" * 16, pair_offsets(_plan(PACKS[:2]))) is None
+        path.write_bytes(path.read_bytes()[:100])  # a torn file
+        assert load_reference_table(path, "ab" * 16, offsets) is None
+        assert load_reference_table(tmp_path / "missing.npz", "ab" * 16, offsets) is None
+
+    def test_the_key_follows_the_weights_and_the_data(self, tmp_path):
+        memo = FileHashMemo(tmp_path / "fingerprints")
+        hf = tmp_path / "hf"
+        hf.mkdir()
+        (hf / "model.safetensors").write_bytes(b"weights v1")
+        first = weights_fingerprint(hf, 0, memo)
+        assert weights_fingerprint(hf, 1, memo) == first, "the seed does not matter for loaded weights"
+        (hf / "model.safetensors").write_bytes(b"weights v2")
+        assert weights_fingerprint(hf, 0, memo) != first
+        assert weights_fingerprint(None, 0, memo) != weights_fingerprint(None, 1, memo)
+        parts = {"weights": first, "model": {"hidden_size": 32}, "data": "plan-a"}
+        key = reference_key(parts)
+        assert reference_key(dict(parts)) == key
+        for change in ({"weights": weights_fingerprint(hf, 0, memo)}, {"model": {"hidden_size": 64}},
+                       {"data": "plan-b"}):  # fmt: skip
+            assert reference_key({**parts, **change}) != key
+        assert reference_key(parts, code=(sequence_logps,)) != key
+
+
+class TestSetFingerprint:
+    """The data side of the table's key: every packed set carries the fingerprint of what its packs hold."""
+
+    def _split(self, tmp_path, **overrides):
+        rows = (TINY_ASSETS_DIR / "preference_train.jsonl").read_text().splitlines(keepends=True)[:24]
+        (tmp_path / "pairs.jsonl").write_text("".join(rows))
+        kwargs = dict(sources=[{"path": str(tmp_path / "pairs.jsonl"), "kind": "preference"}], tokenizer="tiny:",
+                      pack_max_length=128, cache_dir=str(tmp_path / "cache"), progress=False)  # fmt: skip
+        datamodule = XTLDataModule(**{**kwargs, **overrides})
+        datamodule.setup()
+        return datamodule
+
+    def test_the_key_follows_the_packs(self, tmp_path):
+        datamodule = self._split(tmp_path)
+        split = datamodule.train_split
+        assert split.pairs and self._split(tmp_path).train_split.key == split.key
+        assert (tmp_path / "cache/plans" / f"best_fit-128-{split.key[:20]}.npz").is_file(), "the stored plan's key"
+        assert self._split(tmp_path, seed=1).train_split.key != split.key
+        assert self._split(tmp_path, pack_max_length=96).train_split.key != split.key
+        plan = split.plan
+        table = np.stack([np.repeat(np.arange(len(plan)), np.diff(plan.pack_offsets)), plan.seg_sample,
+                          plan.seg_start, plan.seg_end], axis=1)  # fmt: skip
+        np.save(tmp_path / "preset.npy", table)
+        preset = self._split(tmp_path, packing="preset", pack_preset=str(tmp_path / "preset.npy")).train_split
+        assert preset.key and preset.key != split.key
+        np.save(tmp_path / "preset.npy", table[:-2])  # the last pair left out
+        assert self._split(
+            tmp_path, packing="preset", pack_preset=str(tmp_path / "preset.npy")
+        ).train_split.key not in (preset.key, split.key)
+
+    def test_the_collator_keeps_the_pack_index(self, tmp_path):
+        datamodule = self._split(tmp_path)
+        (mb,) = datamodule.collator()([datamodule.train_split.packs[3]])
+        offsets = pair_offsets(datamodule.train_split.plan)
+        assert mb.pack_index == 3 and pair_count(mb) == offsets[4] - offsets[3] > 0
+        assert mb.seq_ctx.seq_len == 128, "padded as the loaders pad"
 
 
 class TestRefusals:

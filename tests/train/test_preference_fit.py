@@ -1,6 +1,7 @@
 """Preference optimization through ``xtl fit`` (``configs/tiny_dpo.yaml`` with a tiny random model): FSDP on 2 ranks
-equals one process, LoRA trains against its adapters-off reference, and MoE with expert parallelism and activation
-checkpointing resumes exactly."""
+equals one process, LoRA trains against its adapters-off reference, MoE with expert parallelism, activation
+checkpointing and a precomputed reference resumes exactly, and precomputed reference log-probabilities equal the live
+reference's (one process, 2 FSDP ranks), are read back by later runs and resume exactly."""
 
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tests.train.conftest import TINY_MODEL
+from xtl.utils import TINY_ASSETS_DIR
 
 ROOT = Path(__file__).resolve().parents[2]
 MOE = {
@@ -60,10 +63,43 @@ def _fit(work: Path, cache: Path, model: dict, *extra: str, fragment: str = "") 
     return rows, proc.stdout + proc.stderr
 
 
-def _close(got: dict[int, dict], want: dict[int, dict], steps: range) -> None:
+def _close(got: dict[int, dict], want: dict[int, dict], steps: range, rel: float = RTOL) -> None:
     for step in steps:
         for key in LOGGED:
-            assert got[step][key] == pytest.approx(want[step][key], rel=RTOL, abs=1e-7), (step, key)
+            assert got[step][key] == pytest.approx(want[step][key], rel=rel, abs=1e-7), (step, key)
+
+
+def _small_pairs(tmp_path: Path) -> list[str]:
+    """Arguments training on the first 46 tiny preference pairs (31 packs of 128 tokens) with a held-out set of 16
+    pairs (8 packs) validated at step 3: a reference table is a fraction of a second to compute, and 2 ranks share
+    an odd number of training packs (one rank repeats one to keep the forwards of a sharded model matched)."""
+    for name, rows in (("preference_train.jsonl", 46), ("preference_eval.jsonl", 16)):
+        lines = (TINY_ASSETS_DIR / name).read_text().splitlines(keepends=True)[:rows]
+        (tmp_path / name).write_text("".join(lines))
+    train = f'[{{"path": "{tmp_path / "preference_train.jsonl"}", "kind": "preference"}}]'
+    held_out = f'{{"heldout": [{{"path": "{tmp_path / "preference_eval.jsonl"}", "kind": "preference"}}]}}'
+    return ["--data.sources", train, "--data.val_sources", held_out, "--trainer.val_check_interval", "3"]
+
+
+def _val_rows(work: Path) -> list[dict]:
+    rows = []
+    for metrics in sorted(work.glob("runs/tiny_dpo/logs/version_*/metrics.csv")):
+        rows += [
+            {k: float(v) for k, v in row.items() if v} for row in csv.DictReader(metrics.open()) if row["val/loss"]
+        ]
+    return rows
+
+
+def _tables(cache: Path) -> dict[int, np.ndarray]:
+    """The stored reference tables of a cache, by number of pairs (46: the training set, 16: the held-out set)."""
+    tables = {}
+    for path in sorted((cache / "reference").glob("*.npz")):
+        with np.load(path) as f:
+            tables[f["logps"].shape[1]] = f["logps"]
+    return tables
+
+
+PRECOMPUTED = ("--model.init_args.reference", "precomputed")
 
 
 @pytest.mark.slow
@@ -72,7 +108,8 @@ class TestPreferenceFit:
     def test_fsdp_on_two_ranks_equals_one_process(self, tmp_path, data_cache):
         """DPO + an NLL term (normalized over the step's chosen tokens) with a live reference sharded like the
         policy: the same losses and reward metrics as one process reading the same pairs."""
-        sharded, err = _fit(tmp_path / "fsdp", data_cache, TINY_MODEL, fragment=FSDP.format(extra=""))
+        two = ["--data.micro_batches_per_step", "2"]
+        sharded, err = _fit(tmp_path / "fsdp", data_cache, TINY_MODEL, *two, fragment=FSDP.format(extra=""))
         assert "reference: live" in err
         single, _ = _fit(tmp_path / "one", data_cache, TINY_MODEL, "--data.micro_batches_per_step", "4")
         _close(sharded, single, range(3))
@@ -88,16 +125,71 @@ class TestPreferenceFit:
         assert math.isclose(rows[0]["train/loss"], math.log(2), rel_tol=1e-6)
         assert rows[2]["train/rewards/margins"] != 0
 
-    def test_moe_with_expert_parallelism_and_checkpointing_resumes_exactly(self, tmp_path, data_cache):
-        """Qwen3-MoE, EP 2, activation checkpointing, ``param_dtype: bfloat16`` (as the GPU recipes): 4 steps with a
-        checkpoint at step 2; the resumed run logs the uninterrupted run's steps 2 and 3."""
+    def test_moe_with_expert_parallelism_checkpointing_and_a_precomputed_reference_resumes_exactly(self, tmp_path):
+        """Qwen3-MoE, EP 2, activation checkpointing, ``param_dtype: bfloat16`` (as the GPU recipes), the reference
+        log-probabilities precomputed on both ranks (an odd number of packs: the all-to-alls of expert parallelism
+        stay matched): at step 0 the policy is its reference; 4 steps with a checkpoint at step 2, and the resumed
+        run reads the stored table and logs the uninterrupted run's steps 2 and 3."""
         fragment = FSDP.format(extra="      expert_parallel_size: 2\n      param_dtype: bfloat16\n")
         fragment += "  callbacks:\n    - class_path: xtl.callbacks.ActivationCheckpointing\n"
         every_2 = ["--trainer.callbacks+=ModelCheckpoint", "--trainer.callbacks.dirpath=ckpt"]
         every_2 += ["--trainer.callbacks.every_n_train_steps=2", "--trainer.callbacks.save_top_k=-1"]
-        steps = ["--trainer.max_steps", "4", "--model.init_args.schedule.decay_steps", "4"]
-        full, _ = _fit(tmp_path / "full", data_cache, MOE, *every_2, *steps, fragment=fragment)
+        steps = ["--trainer.max_steps", "4", "--model.init_args.schedule.decay_steps", "4", *PRECOMPUTED]
+        steps += [*_small_pairs(tmp_path), "--data.micro_batches_per_step", "2"]
+        cache = tmp_path / "cache"
+        full, err = _fit(tmp_path / "full", cache, MOE, *every_2, *steps, fragment=fragment)
+        assert "reference log-probabilities of train (46 pairs, 31 packs on 2 rank(s)" in err
+        assert abs(full[0]["train/rewards/chosen"]) < 1e-4 and abs(full[0]["train/rewards/rejected"]) < 1e-4
         (ckpt,) = (tmp_path / "full/runs/tiny_dpo/ckpt").glob("*step=2.ckpt")
-        resumed, _ = _fit(tmp_path / "resumed", data_cache, MOE, *steps, "--ckpt_path", str(ckpt), fragment=fragment)
+        resumed, err = _fit(tmp_path / "resumed", cache, MOE, *steps, "--ckpt_path", str(ckpt), fragment=fragment)
+        assert "reference log-probabilities of train (46 pairs) read from" in err
         assert all(math.isfinite(full[s]["train/loss"]) for s in range(4))
         assert [resumed[s]["train/loss"] for s in (2, 3)] == [full[s]["train/loss"] for s in (2, 3)]
+
+    def test_precomputed_reference_equals_live_on_one_process_and_two_fsdp_ranks(self, tmp_path):
+        """``reference: precomputed``: one pass before the first step (train and held-out sets) gives the losses and
+        metrics of a live reference (fp32, 1e-6 relative); on 2 FSDP ranks each rank computes half of the packs and
+        every rank gets the whole table: the same table and the same losses as one process (1e-5)."""
+        data, one = _small_pairs(tmp_path), ["--data.micro_batches_per_step", "4"]
+        live, _ = _fit(tmp_path / "live", tmp_path / "cache", TINY_MODEL, *data, *one)
+        pre, err = _fit(tmp_path / "pre", tmp_path / "cache", TINY_MODEL, *data, *one, *PRECOMPUTED)
+        assert "reference: precomputed" in err
+        assert "reference log-probabilities of train (46 pairs, 31 packs on 1 rank(s), from the policy" in err
+        assert "reference log-probabilities of val set heldout (16 pairs, 8 packs on 1 rank(s)" in err
+        _close(pre, live, range(3), rel=1e-6)
+        (val_live,), (val_pre,) = _val_rows(tmp_path / "live"), _val_rows(tmp_path / "pre")
+        for key in ("val/loss", "val/rewards/margins", "val/rewards/chosen"):
+            assert val_pre[key] == pytest.approx(val_live[key], rel=1e-6, abs=1e-7), key
+        assert pre[2]["train/rewards/margins"] != 0
+        fsdp = FSDP.format(extra="")
+        two = ["--data.micro_batches_per_step", "2"]
+        sharded, err = _fit(
+            tmp_path / "fsdp", tmp_path / "cache2", TINY_MODEL, *data, *two, *PRECOMPUTED, fragment=fsdp
+        )
+        assert "reference log-probabilities of train (46 pairs, 31 packs on 2 rank(s)" in err
+        _close(sharded, pre, range(3))
+        one_process, two_ranks = _tables(tmp_path / "cache"), _tables(tmp_path / "cache2")
+        assert sorted(two_ranks) == [16, 46]
+        for pairs, table in two_ranks.items():
+            np.testing.assert_allclose(table, one_process[pairs], rtol=1e-6)
+            assert np.all(table < 0), "every pair's row was filled"
+
+    def test_precomputed_reference_is_reused_and_resumes_exactly(self, tmp_path):
+        """4 steps with a checkpoint at step 2; resumed runs log the uninterrupted run's steps 2 and 3, whether they
+        read the stored table or (table removed) rebuild it from a fresh copy of the starting weights, never from the
+        moved policy."""
+        data, cache = _small_pairs(tmp_path), tmp_path / "cache"
+        every_2 = ["--trainer.callbacks+=ModelCheckpoint", "--trainer.callbacks.dirpath=ckpt"]
+        every_2 += ["--trainer.callbacks.every_n_train_steps=2", "--trainer.callbacks.save_top_k=-1"]
+        steps = ["--trainer.max_steps", "4", "--model.init_args.schedule.decay_steps", "4", *PRECOMPUTED]
+        full, err = _fit(tmp_path / "full", cache, TINY_MODEL, *data, *every_2, *steps)
+        assert "from the policy before its first step" in err
+        (ckpt,) = (tmp_path / "full/runs/tiny_dpo/ckpt").glob("*step=2.ckpt")
+        resumed, err = _fit(tmp_path / "resumed", cache, TINY_MODEL, *data, *steps, "--ckpt_path", str(ckpt))
+        assert "reference log-probabilities of train (46 pairs) read from" in err and "computed in" not in err
+        assert [resumed[s]["train/loss"] for s in (2, 3)] == [full[s]["train/loss"] for s in (2, 3)]
+        for path in (cache / "reference").glob("*.npz"):
+            path.unlink()
+        rebuilt, err = _fit(tmp_path / "rebuilt", cache, TINY_MODEL, *data, *steps, "--ckpt_path", str(ckpt))
+        assert "from a copy of the starting weights, the resumed policy has moved) computed" in err
+        assert [rebuilt[s]["train/loss"] for s in (2, 3)] == [full[s]["train/loss"] for s in (2, 3)]

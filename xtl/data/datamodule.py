@@ -10,7 +10,9 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import numpy as np
 import torch
+import xxhash
 
 from xtl.data.cache import DEFAULT_CACHE_DIR, TokenizedCache, build_cache
 from xtl.data.collate import StepCollator
@@ -43,7 +45,10 @@ class PackedSplit:
     """A tokenized, mixed and packed dataset with its plan (one for training, one per validation set).
 
     ``pairs``: a preference set (``kind: preference``), whose packs hold whole chosen/rejected pairs;
-    ``dropped_rows``: rows of its sources skipped under ``bad_rows: drop``.
+    ``dropped_rows``: rows of its sources skipped under ``bad_rows: drop``; ``key``: a fingerprint of what its packs
+    hold (:func:`~xtl.data.packing.plan_fingerprint` of the cache entries, the mixing and the packing, or of a preset
+    plan's table), for results computed from the packs and cached beside them (precomputed reference
+    log-probabilities).
     """
 
     data: MixedDataset
@@ -51,6 +56,7 @@ class PackedSplit:
     packs: PackedDataset
     pairs: bool = False
     dropped_rows: int = 0
+    key: str = ""
 
 
 class XTLDataModule(pl.LightningDataModule):
@@ -256,7 +262,7 @@ class XTLDataModule(pl.LightningDataModule):
             sources = ", ".join(_resolve(spec.path) for spec in self.sources)
             raise DataError(f"training sources {sources}: {err}") from None
         self._train_loader = ResumableDataLoader(
-            self.train_split.packs, sampler, self._collator(), **self.loader_kwargs()
+            self.train_split.packs, sampler, self.collator(), **self.loader_kwargs()
         )
         return self._train_loader
 
@@ -489,37 +495,46 @@ class XTLDataModule(pl.LightningDataModule):
             if pairs:
                 check_pair_plan(plan, data.num_tokens, f"{key}: pack preset {_resolve(preset)}")
                 plan.pairs = True
+            table = xxhash.xxh3_128()
+            for array in (plan.pack_offsets, plan.seg_sample, plan.seg_start, plan.seg_end):
+                table.update(np.ascontiguousarray(array, dtype=np.int64).tobytes())
+            parts = {**self._plan_parts(caches, specs, data), "packing": "preset", "preset": table.hexdigest()}
+            plan_key = plan_fingerprint(parts)
         elif packing in ("hard", "best_fit"):
-            plan = self._stored_plan(caches, specs, data, packing)
+            plan, plan_key = self._stored_plan(caches, specs, data, packing)
         else:
             raise DataError(f"unknown packing {packing!r}; use best_fit, hard or preset")
         packs = PackedDataset(data, plan)
         if self.image_processor is not None:
             packs = self._vision_packs(packs, caches)
         dropped = sum(self.dropped_rows.get(_resolve(s.path), 0) for s in specs) if pairs else 0
-        return PackedSplit(data, plan, packs, pairs=pairs, dropped_rows=dropped)
+        return PackedSplit(data, plan, packs, pairs=pairs, dropped_rows=dropped, key=plan_key)
 
-    def _stored_plan(
-        self, caches: list[TokenizedCache], specs: list[SourceSpec], data: MixedDataset, packing: str
-    ) -> PackPlan:
-        """The ``hard`` / ``best_fit`` plan, read from ``cache_dir/plans`` when its inputs are unchanged."""
-        parts = {
+    def _plan_parts(self, caches: list[TokenizedCache], specs: list[SourceSpec], data: MixedDataset) -> dict:
+        """What every plan of a set depends on besides its packing: the cache entries and their mixing."""
+        return {
             "caches": [c.directory.name for c in caches],  # source content, tokenizer, tokenize fn and its arguments
             "sample_ratios": [float(s.sample_ratio) for s in specs],
             "seed": self.seed,
-            "packing": packing,
             "pack_max_length": self.pack_max_length,
-            "overlong": self.overlong if packing == "best_fit" else None,
             "pairs": data.pairs,
             "num_samples": len(data),
             "num_tokens": int(data.num_tokens.sum()),
         }
+
+    def _stored_plan(
+        self, caches: list[TokenizedCache], specs: list[SourceSpec], data: MixedDataset, packing: str
+    ) -> tuple[PackPlan, str]:
+        """The ``hard`` / ``best_fit`` plan and its fingerprint; the plan is read from ``cache_dir/plans`` when its
+        inputs are unchanged."""
+        parts = self._plan_parts(caches, specs, data)
+        parts.update(packing=packing, overlong=self.overlong if packing == "best_fit" else None)
         key = plan_fingerprint(parts)
         path = self.cache_dir / "plans" / f"{packing}-{self.pack_max_length}-{key[:20]}.npz"
         plan = load_plan(path, key)
         if plan is not None:
             log.info("xtl data: pack plan loaded from %s", path)
-            return plan
+            return plan, key
         if packing == "hard":
             plan = hard_pack(data.num_tokens, self.pack_max_length, self.seed)
         elif data.pairs:
@@ -531,7 +546,7 @@ class XTLDataModule(pl.LightningDataModule):
             save_plan(plan, path, key)
         except OSError as err:  # a read-only cache folder: pack again next time
             log.warning("xtl data: cannot store the pack plan in %s (%s)", path, err)
-        return plan
+        return plan, key
 
     def _pair_locator(self, data: MixedDataset, caches: list[TokenizedCache]) -> Callable[[int], str]:
         """``file:line`` of the row of mixed pair ``k`` (for the errors of pair packing)."""
@@ -553,7 +568,7 @@ class XTLDataModule(pl.LightningDataModule):
 
     def _eval_loaders(self, splits: dict[str, PackedSplit]) -> list[torch.utils.data.DataLoader]:
         rank, world = self.data_parallel_rank()
-        collate = self._collator()
+        collate = self.collator()
         loaders = []
         for split in splits.values():
             steps = RankSteps(split.packs, self.val_micro_batches, rank, world)
@@ -568,7 +583,12 @@ class XTLDataModule(pl.LightningDataModule):
             )
         return loaders
 
-    def _collator(self) -> StepCollator:
+    def collator(self) -> StepCollator:
+        """The collate function of every loader of this module: packs -> ``list[MicroBatch]``, padded as set.
+
+        Returns:
+            StepCollator: The collator (padding id from the tokenizer).
+        """
         tokenizer = self.load_tokenizer()
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         return StepCollator(int(pad_id or 0), self.pack_max_length if self.pad_to_max_length else None)

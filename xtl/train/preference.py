@@ -5,31 +5,54 @@ chosen, rejected, chosen, rejected (pair ``k`` = documents ``2k`` and ``2k + 1``
 ``docs/data.md``), labels on the responses only. One forward of the policy gives every response's summed
 log-probability (:func:`sequence_logps`); the reference's come from a frozen copy of the starting weights, sharded
 like the policy (``reference: live``), or, under LoRA, from the same model with its adapters off (``adapters_off``:
-no second copy); SimPO and ORPO need none. The loss (:mod:`xtl.train.preference_loss`) is normalized over the pairs
-(and, for its NLL term, the chosen tokens) of the whole step, over micro-batches and data-parallel ranks.
+no second copy), or from a table computed once before training and cached with the data (``precomputed``,
+:mod:`xtl.train.reference_cache`); SimPO and ORPO need none. The loss (:mod:`xtl.train.preference_loss`) is
+normalized over the pairs (and, for its NLL term, the chosen tokens) of the whole step, over micro-batches and
+data-parallel ranks.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import gc
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 import torchmetrics
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
 from xtl.batch import ModelOutput
 from xtl.data.collate import MicroBatch
+from xtl.data.datamodule import PackedSplit, XTLDataModule
 from xtl.data.item import IGNORE_INDEX
+from xtl.data.sources import FileHashMemo
 from xtl.errors import ConfigError
 from xtl.model import BaseModel
 from xtl.module.lora import adapters_disabled, lora_layers
-from xtl.strategies.parallelize import WeightSource
+from xtl.strategies.parallelize import TransformStage, WeightSource
 from xtl.train.base import LanguageModule
 from xtl.train.preference_loss import METRICS, PairTerms, PreferenceLoss, SequenceLogps
+from xtl.train.reference_cache import (
+    ReferenceForward,
+    ReferenceTable,
+    compute_reference_table,
+    load_reference_table,
+    pair_offsets,
+    reference_key,
+    reference_table_path,
+    save_reference_table,
+    weights_fingerprint,
+)
 from xtl.train.step import forward_backward, global_token_count, grad_norm_and_clip, optimizer_step_unless_nonfinite
 
-ReferenceMode = Literal["auto", "live", "adapters_off", "none"]
+ReferenceMode = Literal["auto", "live", "adapters_off", "precomputed", "none"]
+TRAIN_SET = "train"
 
 
 def pair_count(batch: MicroBatch) -> int:
@@ -75,13 +98,15 @@ class PreferenceModule(LanguageModule):
         objective: The preference loss and its settings.
         reference: Where the reference log-probabilities come from: ``live`` (a frozen copy of the starting weights,
             sharded like the policy), ``adapters_off`` (the trained model with its LoRA adapters off; needs
-            ``callbacks/lora.yaml``), ``none`` (SimPO, ORPO) or ``auto`` (``none`` when the loss needs no reference,
+            ``callbacks/lora.yaml``), ``precomputed`` (a table of every pair's, computed once before the first step
+            from the starting weights and cached with the data: no reference forward while training; see
+            :meth:`on_train_start`), ``none`` (SimPO, ORPO) or ``auto`` (``none`` when the loss needs no reference,
             else ``adapters_off`` under LoRA, else ``live``).
         **kwargs: The other arguments of :class:`~xtl.train.LanguageModule`.
 
     Raises:
         ConfigError: A reference mode the loss or the run cannot use; context parallelism (pairs are summed per
-            document on one rank).
+            document on one rank); ``precomputed`` without an :class:`~xtl.data.XTLDataModule`.
     """
 
     def __init__(
@@ -97,9 +122,15 @@ class PreferenceModule(LanguageModule):
         if reference == "none" and objective.needs_reference:
             raise ConfigError(
                 f"model.init_args.reference: none, but loss_type {objective.loss_type!r} compares with a reference; "
-                "use auto, live or adapters_off (or a reference-free loss: simpo, orpo)"
+                "use auto, live, adapters_off or precomputed (or a reference-free loss: simpo, orpo)"
+            )
+        if reference == "precomputed" and not objective.needs_reference:
+            raise ConfigError(
+                f"model.init_args.reference: precomputed, but loss_type {objective.loss_type!r} uses no reference; "
+                "use reference: auto or none"
             )
         self._reference: list[BaseModel] = []  # a list: not a submodule (no optimizer state, not in checkpoints)
+        self._tables: dict[str, ReferenceTable] = {}  # precomputed: set ("train", "val/<idx>") -> table, on device
 
     # ---- model -----------------------------------------------------------------------------------------------
 
@@ -115,21 +146,38 @@ class PreferenceModule(LanguageModule):
                 "or use reference: live"
             )
         if mode == "live":
-            with torch.device("meta"):
-                reference = self.model_config.build()
-            weights = WeightSource(self.hf_dir, self.hparams.seed, getattr(torch, self.hparams.param_dtype))
-            reference = self.parallelizer.parallelize(reference, [], weights)
-            reference.requires_grad_(False)
-            self._reference = [reference.eval()]
+            self._reference = [self._build_reference()]
+
+    def _build_reference(self) -> BaseModel:
+        """A frozen copy of the starting weights, built by the same ``parallelize`` sequence (sharded like the
+        policy), without the run's model transforms."""
+        with torch.device("meta"):
+            reference = self.model_config.build()
+        weights = WeightSource(self.hf_dir, self.hparams.seed, getattr(torch, self.hparams.param_dtype))
+        reference = self.parallelizer.parallelize(reference, [], weights)
+        reference.requires_grad_(False)
+        return reference.eval()
 
     def on_fit_start(self) -> None:
         """Say which objective and reference train."""
         objective, mode = self.objective, self.resolved_reference
         what = {"live": "a frozen copy of the starting weights, sharded like the policy",
-                "adapters_off": "the model with its LoRA adapters off", "none": "none needed"}[mode]  # fmt: skip
+                "adapters_off": "the model with its LoRA adapters off",
+                "precomputed": "the starting weights' log-probabilities, computed once and cached with the data",
+                "none": "none needed"}[mode]  # fmt: skip
         rank_zero_info(
             f"xtl preference: loss {objective.loss_type} (beta {objective.beta}), reference: {mode} ({what})"
         )
+
+    def on_train_start(self) -> None:
+        """``reference: precomputed``: have the reference table of the training set and of each validation set
+        before the first step (:meth:`_prepare_reference_tables`), then start the throughput window."""
+        self._prepare_reference_tables()
+        super().on_train_start()
+
+    def on_validation_start(self) -> None:
+        """``reference: precomputed``: the tables, if no training step came first (the sanity check, ``validate``)."""
+        self._prepare_reference_tables()
 
     @property
     def resolved_reference(self) -> str:
@@ -208,7 +256,7 @@ class PreferenceModule(LanguageModule):
             for mb in batch:
                 if pair_count(mb) == 0:
                     continue
-                _, terms = self._pair_terms(mb)
+                _, terms = self._pair_terms(mb, f"val/{dataloader_idx}")
                 chosen = _chosen_tokens(mb)
                 loss = terms.loss_sum + self.objective.nll_weight * terms.nll_sum * pair_count(mb) / max(chosen, 1)
                 metrics["loss"].update(loss.detach())
@@ -232,14 +280,20 @@ class PreferenceModule(LanguageModule):
 
     # ---- private ---------------------------------------------------------------------------------------------
 
-    def _pair_terms(self, mb: MicroBatch) -> tuple[ModelOutput, PairTerms]:
+    def _pair_terms(self, mb: MicroBatch, dataset: str = TRAIN_SET) -> tuple[ModelOutput, PairTerms]:
         """The policy's output and the pair terms of one micro-batch (the reference's log-probabilities without
-        gradient)."""
+        gradient; under ``precomputed``, those of ``mb.pack_index`` in the table of ``dataset``: ``train`` or
+        ``val/<dataloader_idx>``)."""
         output = self.model(seq_ctx=mb.seq_ctx, labels=mb.labels, return_logits=False, return_token_losses=True)
         policy, nll_sum = sequence_logps(output, mb)
         reference = None
         mode = self.resolved_reference
-        if mode != "none":
+        if mode == "precomputed":
+            if dataset not in self._tables:
+                raise RuntimeError(f"reference: precomputed, but no reference table was prepared for {dataset}")
+            chosen, rejected = self._tables[dataset].lookup(mb.pack_index, pair_count(mb))
+            reference = SequenceLogps(chosen, rejected, policy.chosen_tokens, policy.rejected_tokens)
+        elif mode != "none":
             with torch.no_grad():
                 if mode == "live":
                     ref_model = self._reference[0]
@@ -252,12 +306,169 @@ class PreferenceModule(LanguageModule):
                 reference, _ = sequence_logps(ref_out, mb)
         return output, self.objective.terms(policy, reference, nll_sum)
 
+    def _prepare_reference_tables(self) -> None:
+        """``reference: precomputed``: read or compute the reference table of every preference set of the run.
+
+        The sets are the training set (when fitting) and each validation set, all prepared at once, before the
+        first step. A table found under ``<cache_dir>/reference`` with its key (reference weights, model config,
+        numerics, data, code: :mod:`xtl.train.reference_cache`) by every rank is read; otherwise every rank takes
+        part in one pass without gradient (each data-parallel rank forwards its share of the packs, the shares are
+        gathered so that every rank holds the whole table), and local rank 0 stores it. The reference is the
+        starting weights: under LoRA the model with its adapters off (its base never trains); otherwise the policy
+        itself before its first step, and, on a run resumed from a checkpoint (the policy has moved), a frozen copy
+        built as ``reference: live`` builds it, released after the pass.
+
+        Raises:
+            ConfigError: The run's data is not an :class:`~xtl.data.XTLDataModule`.
+        """
+        if self.resolved_reference != "precomputed":
+            return
+        datamodule = getattr(self.trainer, "datamodule", None)
+        if not isinstance(datamodule, XTLDataModule):
+            raise ConfigError(
+                "model.init_args.reference: precomputed reads the pairs from xtl.data.XTLDataModule (the data: "
+                "section of the recipe); with other data use reference: live"
+            )
+        datamodule.setup()
+        sets: dict[str, PackedSplit] = {}
+        if self.trainer.state.fn == "fit" and datamodule.train_split is not None:
+            sets[TRAIN_SET] = datamodule.train_split
+        for index, name in enumerate(datamodule.val_set_names):
+            sets[f"val/{index}"] = datamodule.val_splits[name]
+        missing = {name: split for name, split in sets.items() if split.pairs and name not in self._tables}
+        if missing:
+            keys = self._reference_keys(datamodule, missing)
+            to_compute = self._read_reference_tables(missing, keys, datamodule.cache_dir)
+            if to_compute:
+                self._compute_reference_tables(datamodule, {name: missing[name] for name in to_compute}, keys)
+
+    def _reference_keys(self, datamodule: XTLDataModule, sets: dict[str, PackedSplit]) -> dict[str, str]:
+        """The cache key of each set's table: reference weights, model config, numerics, data, code."""
+        memo = FileHashMemo(datamodule.cache_dir / "fingerprints")
+        weights = weights_fingerprint(self.hf_dir, self.hparams.seed, memo) if self.global_rank == 0 else None
+        common = {
+            "weights": self.trainer.strategy.broadcast(weights, src=0),  # one rank reads the weights' files
+            "model": dataclasses.asdict(self.model_config),
+            "param_dtype": self.hparams.param_dtype,
+            "precision": str(self.trainer.precision),
+            "device": self.device.type,
+            "transforms": [_describe(t) for t in self._transforms if t.transform_stage == TransformStage.MODEL],
+            "pad_to": datamodule.pack_max_length if datamodule.pad_to_max_length else None,
+        }
+        return {
+            name: reference_key({**common, "data": split.key}, code=(sequence_logps,)) for name, split in sets.items()
+        }
+
+    def _read_reference_tables(self, sets: dict[str, PackedSplit], keys: dict[str, str], cache_dir: Path) -> list[str]:
+        """Take the stored tables every rank finds (a sharded forward needs every rank: all read or all compute);
+        returns the sets left to compute."""
+        stored = {
+            name: load_reference_table(reference_table_path(cache_dir, keys[name]), keys[name], pair_offsets(s.plan))
+            for name, s in sets.items()
+        }
+        everywhere = torch.tensor([float(table is not None) for table in stored.values()], device=self.device)
+        group = self.parallelizer.data_group()
+        if group is not None:
+            dist.all_reduce(everywhere, op=dist.ReduceOp.MIN, group=group)
+        left = []
+        for (name, table), found in zip(stored.items(), everywhere.tolist()):
+            if table is None or not found:
+                left.append(name)
+                continue
+            self._tables[name] = table.to(self.device)
+            rank_zero_info(
+                f"xtl preference: reference log-probabilities of {self._reference_set_name(name)} "
+                f"({table.num_pairs} pairs) read from {reference_table_path(cache_dir, keys[name])}"
+            )
+        return left
+
+    def _compute_reference_tables(
+        self, datamodule: XTLDataModule, sets: dict[str, PackedSplit], keys: dict[str, str]
+    ) -> None:
+        """One pass over the packs of ``sets`` without gradient, sharded over the data-parallel ranks (every rank
+        ends with the whole tables); local rank 0 stores them."""
+        layout, group = self.parallelizer.layout, self.parallelizer.data_group()
+        rank, world = layout.data_rank(self.global_rank), layout.dp_size
+        collator, precision = datamodule.collator(), self.trainer.precision_plugin
+        with self._reference_forward() as (forward, source):
+            for name, split in sets.items():
+                start = time.perf_counter()
+                context = precision.train_step_context() if name == TRAIN_SET else precision.val_step_context()
+                with context:  # the autocast of the step that reads the table, as the live reference runs under
+                    table = compute_reference_table(
+                        split.packs,
+                        pair_offsets(split.plan),
+                        lambda pack: collator([pack])[0],
+                        forward,
+                        rank=rank,
+                        world_size=world,
+                        group=group,
+                        device=self.device,
+                    )
+                self._tables[name] = table
+                path = reference_table_path(datamodule.cache_dir, keys[name])
+                if self.trainer.local_rank == 0:
+                    info = {"set": self._reference_set_name(name), "pairs": table.num_pairs}
+                    try:
+                        save_reference_table(path, table, keys[name], info)
+                    except OSError as err:  # a read-only cache folder: computed again next time
+                        rank_zero_info(f"xtl preference: cannot store the reference table in {path} ({err})")
+                rank_zero_info(
+                    f"xtl preference: reference log-probabilities of {self._reference_set_name(name)} "
+                    f"({table.num_pairs} pairs, {len(split.plan)} packs on {world} rank(s), from {source}) computed "
+                    f"in {time.perf_counter() - start:.1f} s, stored in {path}"
+                )
+
+    @contextmanager
+    def _reference_forward(self) -> Iterator[tuple[ReferenceForward, str]]:
+        """The forward that computes reference log-probabilities for a table, without gradient, in eval mode (as
+        the live reference), and what it runs."""
+        temporary: BaseModel | None = None
+        context: Any = nullcontext()
+        resumed = self._trainer is not None and self._trainer.ckpt_path is not None
+        if any(True for _ in lora_layers(self.model)):
+            model, source, context = self.model, "the model with its LoRA adapters off", adapters_disabled(self.model)
+        elif not resumed and self.global_step == 0:
+            model, source = self.model, "the policy before its first step"
+        else:
+            temporary = model = self._build_reference()
+            source = "a copy of the starting weights, the resumed policy has moved"
+        modes = [(module, module.training) for module in model.modules()]
+        model.eval()
+
+        def forward(mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+            out = model(seq_ctx=mb.seq_ctx, labels=mb.labels, return_logits=False, return_token_losses=True)
+            logps, _ = sequence_logps(out, mb)
+            return logps.chosen, logps.rejected
+
+        try:
+            with context, torch.no_grad():
+                yield forward, source
+        finally:
+            for module, training in modes:
+                module.training = training
+            if temporary is not None:
+                del model, temporary, modes
+                gc.collect()
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()
+
+    def _reference_set_name(self, name: str) -> str:
+        return name if name == TRAIN_SET else f"val set {self._set_name('val', int(name.split('/')[1]))}"
+
     def _preference_metrics(self, sets: nn.ModuleDict, dataloader_idx: int) -> nn.ModuleDict:
         key = str(dataloader_idx)
         if key not in sets:
             names = ("loss", "pairs", *METRICS)
             sets[key] = nn.ModuleDict({n: torchmetrics.SumMetric().to(self.device) for n in names})
         return sets[key]
+
+
+def _describe(transform: Any) -> dict[str, Any]:
+    """A model transform's class and plain settings (what may change the reference's numerics), for cache keys."""
+    plain = (str, int, float, bool, type(None), list, tuple)
+    settings = {k: v for k, v in vars(transform).items() if not k.startswith("_") and isinstance(v, plain)}
+    return {"class": f"{type(transform).__module__}.{type(transform).__qualname__}", **settings}
 
 
 def _chosen_tokens(batch: MicroBatch) -> int:
