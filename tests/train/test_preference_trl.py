@@ -1,16 +1,41 @@
-"""xtl's preference objectives against TRL's own trainers, on the same weights and the same token ids.
+"""xtl's preference objectives against TRL's own trainers, on the same weights and the same token ids, in fp64.
 
 For each loss TRL implements, TRL (``DPOTrainer``; ``CPOTrainer`` with ``loss_type: simpo``; ``ORPOTrainer``)
 tokenizes and collates a few pairs and computes its loss and logged metrics with its own code on its own batch. xtl
 packs the same ids (one document per sequence, chosen then rejected; labels where TRL's completion mask / labels mark
-the response), runs the same fp32 weights (a tiny Qwen3 saved by transformers, loaded with ``from_hf``) and computes
+the response), runs the same weights (a tiny Qwen3 saved by transformers, loaded with ``from_hf``) and computes
 :func:`~xtl.train.preference.sequence_logps` and :meth:`~xtl.train.preference_loss.PreferenceLoss.terms`; the
 step's loss is ``loss_sum / P + nll_weight * nll_sum / N`` (``P`` pairs, ``N`` chosen response tokens) and its
-metrics ``metric_sums / P``.
+metrics ``metric_sums / P``. The losses and metrics are compared within ``RTOL`` = 1e-6 relative.
 
 The policy differs from the reference (its weights are perturbed), so the DPO rewards are far from zero, and some
-pairs are ranked right and some wrong. TRL's configs default to ``bf16=True`` even on CPU, under which accelerate runs
-the (prepared) reference model in a bf16 autocast: every config here sets ``bf16=False``, so both sides are fp32.
+pairs are ranked right and some wrong.
+
+Both sides run in float64, because the rewards, margins and losses are differences of log-probabilities (policy minus
+reference, chosen minus rejected) one to three orders of magnitude smaller than them: in fp32 the log-probabilities'
+1-2 ulps become up to ~2e-5 relative there. In fp64:
+
+- TRL's configs default to ``bf16=True`` even on CPU, under which accelerate runs the (prepared) reference model in a
+  bf16 autocast: every config sets ``bf16=False, fp16=False`` (each run checks accelerate's ``mixed_precision`` is
+  ``no`` and that TRL's per-sequence log-probabilities come out in fp64).
+- Attention is ``sdpa`` on both sides (transformers' eager attention, like xtl's, takes its softmax in fp32). The
+  RMSNorm statistics and the rotary ``cos``/``sin`` are fp32 in transformers and in xtl alike, with the same ops on
+  the same values: they round identically.
+- ``DPOTrainer`` scores tokens with TRL's fused LM head (``trl.kernels.ChunkedLogProbFunction``), which folds the
+  logits into fp32 statistics whatever their dtype: fp32 log-probabilities. For fp64 hidden states
+  :class:`ExactLogProbs` stands in for it (TRL's ``selective_log_softmax`` on the full logits, as ``CPOTrainer`` and
+  ``ORPOTrainer`` score theirs); the rest of the trainer (batch, masks, sums, loss, metrics) is TRL's own, and the
+  stand-in is checked against TRL's kernel to fp32 precision (fp32 models keep TRL's kernel).
+- ``ORPOTrainer.odds_ratio_loss`` casts the log-probabilities to fp32, so its logged rewards are fp32: its
+  ``rewards/*`` are compared within 1e-6 relative plus one fp32 ulp of the rewards (:func:`fp32_reward_atol`).
+
+Measured (fp64, xtl's own packed forward against TRL): per-sequence log-probabilities <= 2.5e-16 relative; DPO losses
+and metrics (sigmoid, hinge, IPO, robust, sigmoid + RPO, cDPO) <= 5e-14, SimPO's (with and without NLL, smoothed)
+<= 2e-14, the same formulas on TRL's own log-probabilities <= 2e-16; ORPO's loss <= 8e-8 (TRL's odds-ratio term is
+fp32), its ``rewards/margins`` 8.9e-8 and 8.8e-9 off (2.3e-6 and 9e-7 relative; the allowance is 3.5e-7), its other
+metrics <= 1.1e-7. TRL's fused kernel on the fp64 model is within 8.5e-8 of :class:`ExactLogProbs`. The fp32 path
+(TRL's fused kernel and ``concatenated_forward``, xtl's fp32 forward) is checked on the per-sequence log-probabilities
+(measured <= 1.7e-7), within ``RTOL``.
 
 Two differences between xtl and TRL 1.16 are pinned here rather than hidden:
 
@@ -50,15 +75,13 @@ with warnings.catch_warnings():  # "You are importing from 'trl.experimental'"
     warnings.simplefilter("ignore")
     from trl.experimental.cpo import CPOConfig, CPOTrainer
     from trl.experimental.orpo import ORPOConfig, ORPOTrainer
+import trl.trainer.utils as trl_utils  # noqa: E402
 
-# Both sides are fp32 and see the same ids and weights. RTOL bounds (1) xtl's per-sequence log-probabilities against
-# TRL's (sums of 9-31 token log-probs of about -7: they agree to 1-2 ulps, ~1e-7 relative) and (2) xtl's loss and
-# metrics computed from TRL's own per-sequence log-probabilities against TRL's (the same formula in another order:
-# ~1e-7 relative). E2E_RTOL bounds xtl's loss and metrics from its own packed forward against TRL's: the rewards,
-# margins and losses are differences of log-probabilities (policy minus reference, chosen minus rejected) one to three
-# orders of magnitude smaller than them, so the 1-2 ulps of (1) become up to ~2e-5 relative there.
+# Every loss and metric of xtl against TRL's (module docstring: measured <= 5e-14 in fp64, but for ORPO's fp32 terms),
+# and the fp32 per-sequence log-probabilities (sums of 9-31 token log-probs of about -7: 1-2 ulps, <= 1.7e-7 relative).
 RTOL = 1e-6
-E2E_RTOL = 1e-4
+# fp64 per-sequence log-probabilities, xtl's packed forward against TRL's padded one (measured <= 2.5e-16).
+LOGPS_RTOL_FP64 = 1e-12
 TINY_QWEN3 = dict(
     vocab_size=1600, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
     num_key_value_heads=2, head_dim=8, max_position_embeddings=256, initializer_range=0.1, tie_word_embeddings=False,
@@ -89,11 +112,36 @@ ONE_TOKEN_PROMPT_ROWS = [
 ]
 
 
+TRL_FUSED_LOGPROBS = trl_utils._ChunkedLogProbFunction
+
+
+class ExactLogProbs:
+    """Stands in for TRL's fused LM head (``trl.kernels.ChunkedLogProbFunction``, which ``DPOTrainer``'s patched
+    forward calls) on fp64 hidden states: the kernel folds the logits into fp32 statistics (fp32 log-probabilities,
+    ~5e-7 off at -7) whatever their dtype. Here the log-probabilities are TRL's ``selective_log_softmax`` of the full
+    fp64 logits, with the entropy, mean logit and top-1 flag ``DPOTrainer`` logs; other dtypes go to the kernel."""
+
+    @staticmethod
+    def apply(hidden, weight, bias, targets, temperature, chunk_size, softcapping, logit_scale, outputs):  # noqa: ANN001, ANN205
+        if hidden.dtype != torch.float64:
+            return TRL_FUSED_LOGPROBS.apply(
+                hidden, weight, bias, targets, temperature, chunk_size, softcapping, logit_scale, outputs
+            )
+        assert bias is None and softcapping is None and temperature == 1.0 and logit_scale == 1.0
+        assert "log_sum_sq_probs" not in outputs
+        logits = hidden @ weight.t()
+        entropy = logits.logsumexp(-1) - (logits.softmax(-1) * logits).sum(-1) if "entropy" in outputs else None
+        mean_logits = logits.mean(-1) if "mean_logits" in outputs else None
+        is_top1 = logits.argmax(-1) == targets if "is_top1" in outputs else None
+        return trl_utils.selective_log_softmax(logits, targets), entropy, None, mean_logits, is_top1
+
+
 @pytest.fixture(autouse=True)
-def _offline(monkeypatch: pytest.MonkeyPatch) -> None:
-    """No hub access: everything is built locally."""
+def _offline_fp64_head(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No hub access: everything is built locally. TRL's fused LM head computes in fp64 on fp64 models."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(trl_utils, "_ChunkedLogProbFunction", ExactLogProbs)
 
 
 @dataclass
@@ -102,24 +150,32 @@ class Weights:
 
     reference_dir: Path
     policy_dir: Path
+    dtype: torch.dtype
     reference: torch.nn.Module
     policy: torch.nn.Module
+
+    @classmethod
+    def load(cls, reference_dir: Path, policy_dir: Path, dtype: torch.dtype) -> Weights:
+        return cls(reference_dir, policy_dir, dtype, _load_xtl(reference_dir, dtype), _load_xtl(policy_dir, dtype))
 
     def hf(self, which: str) -> Qwen3ForCausalLM:
         """A fresh transformers copy (each TRL trainer patches the forward of the models it gets)."""
         path = self.policy_dir if which == "policy" else self.reference_dir
-        return Qwen3ForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=torch.float32).eval()
+        return Qwen3ForCausalLM.from_pretrained(path, attn_implementation="sdpa", dtype=self.dtype).eval()
 
 
-def _load_xtl(path: Path) -> torch.nn.Module:
+def _load_xtl(path: Path, dtype: torch.dtype) -> torch.nn.Module:
+    config = get_model_config_from_hf(path)
+    config.attn_impl = "sdpa"  # as transformers' (module docstring)
     with torch.device("meta"):
-        model = get_model_config_from_hf(path).build()
+        model = config.build()
     model.from_hf(path)
-    return model.float().eval()
+    return model.to(dtype).eval()
 
 
 @pytest.fixture(scope="module")
-def weights(tmp_path_factory: pytest.TempPathFactory) -> Weights:
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """The reference and the policy, saved (fp32) by transformers."""
     root = tmp_path_factory.mktemp("preference_trl")
     torch.manual_seed(0)
     reference = Qwen3ForCausalLM(Qwen3Config(**TINY_QWEN3, attn_implementation="eager")).eval()
@@ -130,7 +186,22 @@ def weights(tmp_path_factory: pytest.TempPathFactory) -> Weights:
             p.add_(0.03 * torch.randn(p.shape, generator=g))
     reference.save_pretrained(root / "reference")
     policy.save_pretrained(root / "policy")
-    return Weights(root / "reference", root / "policy", _load_xtl(root / "reference"), _load_xtl(root / "policy"))
+    return root / "reference", root / "policy"
+
+
+@pytest.fixture(scope="module")
+def weights(checkpoints) -> Weights:
+    """Both sides in fp64 (the comparisons of losses and metrics)."""
+    return Weights.load(*checkpoints, torch.float64)
+
+
+@pytest.fixture(scope="module")
+def weights32(checkpoints) -> Weights:
+    """Both sides in fp32 (TRL's fused kernel and xtl's forward as they train)."""
+    return Weights.load(*checkpoints, torch.float32)
+
+
+WEIGHTS = {"fp32": "weights32", "fp64": "weights"}  # fixture by dtype, for tests run in both
 
 
 @pytest.fixture(scope="module")
@@ -159,8 +230,8 @@ class TrlRun:
 
 def _common_args(tmp_path: Path, rows: list[dict]) -> dict:
     return dict(
-        output_dir=str(tmp_path), report_to=[], use_cpu=True, bf16=False, per_device_train_batch_size=len(rows),
-        save_strategy="no", logging_strategy="no", disable_tqdm=True,
+        output_dir=str(tmp_path), report_to=[], use_cpu=True, bf16=False, fp16=False,
+        per_device_train_batch_size=len(rows), save_strategy="no", logging_strategy="no", disable_tqdm=True,
     )  # fmt: skip
 
 
@@ -208,7 +279,7 @@ def run_dpo(weights: Weights, tokenizer, tmp_path: Path, rows: list[dict], **con
         SequenceLogps(*trainer.compute_ref_log_probs(model, batch), chosen_tokens, rejected_tokens)
         for model in (trainer.model, trainer.ref_model)
     )
-    return TrlRun(trainer, batch, float(loss), metrics, policy, reference, _dpo_pairs(batch))
+    return _checked(TrlRun(trainer, batch, float(loss), metrics, policy, reference, _dpo_pairs(batch)), weights)
 
 
 def run_reference_free(kind: str, weights: Weights, tokenizer, tmp_path: Path, rows: list[dict], **config) -> TrlRun:
@@ -232,7 +303,15 @@ def run_reference_free(kind: str, weights: Weights, tokenizer, tmp_path: Path, r
         (batch[f"{s}_labels"][:, 1:] != -100).sum(1).float() for s in ("chosen", "rejected")
     )
     policy = SequenceLogps(chosen * chosen_tokens, rejected * rejected_tokens, chosen_tokens, rejected_tokens)
-    return TrlRun(trainer, batch, float(loss), metrics, policy, None, _cpo_pairs(batch))
+    return _checked(TrlRun(trainer, batch, float(loss), metrics, policy, None, _cpo_pairs(batch)), weights)
+
+
+def _checked(run: TrlRun, weights: Weights) -> TrlRun:
+    """No autocast in TRL's forward: accelerate's mixed precision is off and the log-probabilities are in the
+    weights' dtype."""
+    assert run.trainer.accelerator.mixed_precision == "no"
+    assert run.policy.chosen.dtype == weights.dtype
+    return run
 
 
 # ---- xtl side --------------------------------------------------------------------------------------------------
@@ -278,19 +357,32 @@ def trl_logps_step(objective: PreferenceLoss, run: TrlRun) -> tuple[float, dict[
     return step(objective, run.policy, run.reference, -run.policy.chosen.sum())
 
 
-def assert_rel(actual: float, expected: float, what: str, rtol: float) -> None:
-    """``|actual - expected| <= rtol * |expected|`` (an exact match for a zero)."""
-    assert abs(actual - expected) <= rtol * abs(expected), f"{what}: xtl {actual!r} vs TRL {expected!r}"
+def assert_rel(actual: float, expected: float, what: str, rtol: float, atol: float = 0.0) -> None:
+    """``|actual - expected| <= rtol * |expected| + atol`` (an exact match for a zero without ``atol``)."""
+    assert abs(actual - expected) <= rtol * abs(expected) + atol, f"{what}: xtl {actual!r} vs TRL {expected!r}"
 
 
 def assert_matches(
-    result: tuple[float, dict[str, float]], run: TrlRun, rtol: float, expected_loss: float | None = None
+    result: tuple[float, dict[str, float]],
+    run: TrlRun,
+    rtol: float,
+    expected_loss: float | None = None,
+    reward_atol: float = 0.0,
 ) -> None:
-    """xtl's ``(loss, metrics)`` equal TRL's (or ``expected_loss``) within ``rtol``."""
+    """xtl's ``(loss, metrics)`` equal TRL's (or ``expected_loss``) within ``rtol`` (plus ``reward_atol`` on the
+    ``rewards/*`` metrics)."""
     loss, metrics = result
     assert_rel(loss, run.loss if expected_loss is None else expected_loss, "loss", rtol)
     for name in METRICS:
-        assert_rel(metrics[name], run.metrics[name], name, rtol)
+        atol = reward_atol if name.startswith("rewards/") else 0.0
+        assert_rel(metrics[name], run.metrics[name], name, rtol, atol)
+
+
+def fp32_reward_atol(run: TrlRun) -> float:
+    """One fp32 ulp (at most) of TRL's rewards: ``ORPOTrainer.odds_ratio_loss`` casts the log-probabilities to fp32,
+    so each reward (``beta`` times one, rounded twice) is up to an ulp off, and ``rewards/margins``, their difference
+    (40-150x smaller here), up to the sum of both (the rewards are all negative: means bound them)."""
+    return 2.0**-23 * (abs(run.metrics["rewards/chosen"]) + abs(run.metrics["rewards/rejected"]))
 
 
 # ---- tests -----------------------------------------------------------------------------------------------------
@@ -322,8 +414,8 @@ SIMPO_CASES = {
 
 
 class TestDPOLossesMatchTRL:
-    """DPO family: TRL's ``DPOTrainer`` loss and reward metrics on its batch equal xtl's, on TRL's per-sequence
-    log-probabilities within ``RTOL`` and on xtl's own packed forward within ``E2E_RTOL``."""
+    """DPO family: TRL's ``DPOTrainer`` loss and reward metrics on its batch equal xtl's within ``RTOL``, computed
+    from TRL's per-sequence log-probabilities and from xtl's own packed forward (fp64)."""
 
     @pytest.mark.parametrize("case", sorted(DPO_CASES))
     def test_loss_and_metrics(self, case, weights, tokenizer, tmp_path):
@@ -331,13 +423,13 @@ class TestDPOLossesMatchTRL:
         run = run_dpo(weights, tokenizer, tmp_path, CHAT_ROWS, **config)
         assert_matches(trl_logps_step(objective, run), run, RTOL)
         result = xtl_step(weights, objective, run.pairs)
-        assert_matches(result, run, E2E_RTOL)
+        assert_matches(result, run, RTOL)
         assert 0 < result[1]["rewards/accuracies"] < 1  # some pairs ranked right, some wrong
 
     def test_conservative_sigmoid_is_trl_sigmoid_mixed_with_swapped_pairs(self, weights, tokenizer, tmp_path):
         """xtl's ``sigmoid`` with ``label_smoothing`` e (cDPO) is ``(1 - e) L(d) + e L(-d)``. TRL 1.16's sigmoid
         ignores ``label_smoothing``, so ``L(-d)`` is its own loss on its batch with the chosen and rejected rows
-        swapped. Tolerances as above."""
+        swapped. Within ``RTOL``, as above."""
         smoothing = 0.1
         run = run_dpo(weights, tokenizer, tmp_path, CHAT_ROWS, loss_type=["sigmoid"], beta=0.1, label_smoothing=0.1)
         half = run.batch["input_ids"].shape[0] // 2
@@ -348,28 +440,42 @@ class TestDPOLossesMatchTRL:
         assert abs(expected - run.loss) > 1e-3 * run.loss  # TRL's own loss is the unsmoothed one
         objective = PreferenceLoss("sigmoid", beta=0.1, label_smoothing=smoothing)
         assert_matches(trl_logps_step(objective, run), run, RTOL, expected_loss=expected)
-        assert_matches(xtl_step(weights, objective, run.pairs), run, E2E_RTOL, expected_loss=expected)
+        assert_matches(xtl_step(weights, objective, run.pairs), run, RTOL, expected_loss=expected)
 
-    def test_sequence_logps(self, weights, tokenizer, tmp_path):
-        """Each response's summed log-probability (policy and reference) and token count equal TRL's within
-        ``RTOL``: the packed forward (with padding and a head restricted to the supervised rows) scores the same
-        tokens as TRL's padded fused-head one."""
+    @pytest.mark.parametrize("dtype", sorted(WEIGHTS))
+    def test_sequence_logps(self, dtype, request, tokenizer, tmp_path):
+        """Each response's summed log-probability (policy and reference) and token count equal TRL's: the packed
+        forward (with padding and a head restricted to the supervised rows) scores the same tokens as TRL's padded
+        fused-head one. In fp32 (TRL's fused kernel) within ``RTOL``; in fp64 within ``LOGPS_RTOL_FP64``, where
+        TRL's own kernel on the same fp64 model (fp32 statistics) agrees with :class:`ExactLogProbs` within
+        ``RTOL``."""
+        weights = request.getfixturevalue(WEIGHTS[dtype])
         run = run_dpo(weights, tokenizer, tmp_path, CHAT_ROWS, loss_type=["sigmoid"])
         mb = pack(run.pairs, padding=7)
         assert mb.seq_ctx.loss_positions is not None and mb.seq_ctx.num_padding == 7
+        model_dtype = weights.dtype
+        rtol = LOGPS_RTOL_FP64 if model_dtype == torch.float64 else RTOL
         for ours, theirs in (
             (logps(weights.policy, mb)[0], run.policy),
             (logps(weights.reference, mb)[0], run.reference),
         ):
-            torch.testing.assert_close(ours.chosen, theirs.chosen, rtol=RTOL, atol=0)
-            torch.testing.assert_close(ours.rejected, theirs.rejected, rtol=RTOL, atol=0)
+            assert ours.chosen.dtype == model_dtype, "xtl's per-sequence log-probabilities not in the model dtype"
+            torch.testing.assert_close(ours.chosen, theirs.chosen, rtol=rtol, atol=0)
+            torch.testing.assert_close(ours.rejected, theirs.rejected, rtol=rtol, atol=0)
             assert torch.equal(ours.chosen_tokens, theirs.chosen_tokens)
             assert torch.equal(ours.rejected_tokens, theirs.rejected_tokens)
+        if model_dtype == torch.float64:
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(trl_utils, "_ChunkedLogProbFunction", TRL_FUSED_LOGPROBS)
+                fused = run.trainer.compute_ref_log_probs(run.trainer.model, run.batch)
+            assert fused[0].dtype == torch.float32
+            for kernel, exact in zip(fused, (run.policy.chosen, run.policy.rejected), strict=True):
+                torch.testing.assert_close(kernel.double(), exact, rtol=RTOL, atol=0)
 
 
 class TestSimPOMatchesTRL:
     """SimPO: TRL's ``CPOTrainer(loss_type="simpo")`` loss (``cpo_alpha`` is xtl's ``rpo_alpha``) and metrics equal
-    xtl's, on TRL's per-sequence log-probabilities within ``RTOL`` and on xtl's forward within ``E2E_RTOL``."""
+    xtl's within ``RTOL``, computed from TRL's per-sequence log-probabilities and from xtl's forward (fp64)."""
 
     @pytest.mark.parametrize("case", sorted(SIMPO_CASES))
     def test_loss_and_metrics(self, case, weights, tokenizer, tmp_path):
@@ -377,51 +483,56 @@ class TestSimPOMatchesTRL:
         run = run_reference_free("cpo", weights, tokenizer, tmp_path, CHAT_ROWS, loss_type="simpo", **config)
         assert_matches(trl_logps_step(objective, run), run, RTOL)
         result = xtl_step(weights, objective, run.pairs)
-        assert_matches(result, run, E2E_RTOL)
+        assert_matches(result, run, RTOL)
         assert 0 < result[1]["rewards/accuracies"] < 1
 
-    def test_average_logps(self, weights, tokenizer, tmp_path):
+    @pytest.mark.parametrize("dtype", sorted(WEIGHTS))
+    def test_average_logps(self, dtype, request, tokenizer, tmp_path):
         """Each response's log-probability per token (TRL's ``concatenated_forward``) equals xtl's summed
-        log-probability over its token count, within ``RTOL``; the token counts are equal."""
+        log-probability over its token count, within ``RTOL`` (fp32) or ``LOGPS_RTOL_FP64``; the token counts are
+        equal."""
+        weights = request.getfixturevalue(WEIGHTS[dtype])
+        rtol = LOGPS_RTOL_FP64 if weights.dtype == torch.float64 else RTOL
         run = run_reference_free("cpo", weights, tokenizer, tmp_path, CHAT_ROWS, loss_type="simpo")
         ours = logps(weights.policy, pack(run.pairs, padding=7))[0]
         for side in ("chosen", "rejected"):
             tokens = getattr(ours, f"{side}_tokens")
             assert torch.equal(tokens, getattr(run.policy, f"{side}_tokens"))
             expected = getattr(run.policy, side) / tokens
-            torch.testing.assert_close(getattr(ours, side) / tokens, expected, rtol=RTOL, atol=0)
+            torch.testing.assert_close(getattr(ours, side) / tokens, expected, rtol=rtol, atol=0)
 
 
 class TestORPOMatchesTRL:
-    """ORPO: TRL's ``ORPOTrainer`` loss and metrics equal xtl's, on TRL's per-sequence log-probabilities within
-    ``RTOL`` and on xtl's forward within ``E2E_RTOL``."""
+    """ORPO: TRL's ``ORPOTrainer`` loss and metrics equal xtl's within ``RTOL`` (its fp32 ``rewards/*`` within one
+    fp32 ulp more: :func:`fp32_reward_atol`), computed from TRL's per-sequence log-probabilities and from xtl's
+    forward (fp64)."""
 
     def test_loss_and_metrics(self, weights, tokenizer, tmp_path):
         """The whole loss, NLL included, on one-token prompts (TRL's NLL also covers the prompt, which then has no
         target)."""
         run = run_reference_free("orpo", weights, tokenizer, tmp_path, ONE_TOKEN_PROMPT_ROWS, beta=0.2)
         assert all(int((s[1] == -100).sum()) == 1 for pair in run.pairs for s in pair)  # the prompt token only
-        objective = PreferenceLoss("orpo", beta=0.2)
-        assert_matches(trl_logps_step(objective, run), run, RTOL)
+        objective, atol = PreferenceLoss("orpo", beta=0.2), fp32_reward_atol(run)
+        assert_matches(trl_logps_step(objective, run), run, RTOL, reward_atol=atol)
         result = xtl_step(weights, objective, run.pairs)
-        assert_matches(result, run, E2E_RTOL)
+        assert_matches(result, run, RTOL, reward_atol=atol)
         assert 0 < result[1]["rewards/accuracies"] < 1
 
     def test_odds_ratio_term_with_prompts(self, weights, tokenizer, tmp_path):
         """On chat prompts, TRL's loss minus its NLL (which covers the prompt too) is xtl's loss without its NLL
         (the odds-ratio term ``loss_sum / P``); the metrics are equal."""
         run = run_reference_free("orpo", weights, tokenizer, tmp_path, CHAT_ROWS, beta=0.2)
-        objective = PreferenceLoss("orpo", beta=0.2)
+        objective, atol = PreferenceLoss("orpo", beta=0.2), fp32_reward_atol(run)
         expected = run.loss - run.metrics["nll_loss"]
         nll = -run.policy.chosen.sum() / run.policy.chosen_tokens.sum()  # xtl's NLL term: the responses only
         assert abs(float(nll) - run.metrics["nll_loss"]) > 1e-3 * run.metrics["nll_loss"]
         loss, metrics = trl_logps_step(objective, run)
-        assert_matches((loss - float(nll), metrics), run, RTOL, expected_loss=expected)
+        assert_matches((loss - float(nll), metrics), run, RTOL, expected_loss=expected, reward_atol=atol)
         mb = pack(run.pairs)
         policy, nll_sum = logps(weights.policy, mb)
         loss, metrics = step(objective, policy, None, nll_sum)
         loss -= float(nll_sum / policy.chosen_tokens.sum())
-        assert_matches((loss, metrics), run, E2E_RTOL, expected_loss=expected)
+        assert_matches((loss, metrics), run, RTOL, expected_loss=expected, reward_atol=atol)
 
 
 PACKING_OBJECTIVES = {
@@ -434,20 +545,21 @@ PACKING_OBJECTIVES = {
 
 
 @pytest.fixture(scope="module")
-def chat_pairs(weights, tokenizer, tmp_path_factory) -> list[tuple[Sequence, Sequence]]:
+def chat_pairs(weights32, tokenizer, tmp_path_factory) -> list[tuple[Sequence, Sequence]]:
     """The chat pairs as ``DPOTrainer`` tokenizes and collates them."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("HF_HUB_OFFLINE", "1")
-        return run_dpo(weights, tokenizer, tmp_path_factory.mktemp("dpo"), CHAT_ROWS).pairs
+        return run_dpo(weights32, tokenizer, tmp_path_factory.mktemp("dpo"), CHAT_ROWS).pairs
 
 
 class TestPackedEqualsUnpacked:
     """All pairs in one padded pack give the same loss, NLL and metric sums as one pair per pack (summed), within
-    ``RTOL`` (1e-6 relative; the same tokens through attention and head calls of other shapes, which on CPU give the
-    same bits)."""
+    ``RTOL`` (1e-6 relative; the same tokens, in fp32, through attention and head calls of other shapes, which on CPU
+    give the same bits)."""
 
     @pytest.mark.parametrize("name", sorted(PACKING_OBJECTIVES))
-    def test_sums(self, name, weights, chat_pairs):
+    def test_sums(self, name, weights32, chat_pairs):
+        weights = weights32
         objective = PACKING_OBJECTIVES[name]
 
         def terms(mb: MicroBatch) -> PairTerms:

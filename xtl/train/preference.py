@@ -79,7 +79,8 @@ def sequence_logps(output: ModelOutput, batch: MicroBatch) -> tuple[SequenceLogp
     supervised = targets != IGNORE_INDEX
     ends = ctx.cu_seq_lens[1:].to(losses.device, torch.long)
     document = torch.searchsorted(ends, positions, right=True).clamp(max=2 * pairs)  # padding -> one extra bin
-    logps = torch.zeros(2 * pairs + 1, device=losses.device).index_add(0, document, -losses * supervised)
+    logps = torch.zeros(2 * pairs + 1, dtype=losses.dtype, device=losses.device)
+    logps = logps.index_add(0, document, -losses * supervised)
     counts = torch.zeros(2 * pairs + 1, device=losses.device).index_add(0, document, supervised.float())
     logps, counts = logps[: 2 * pairs], counts[: 2 * pairs]
     result = SequenceLogps(logps[0::2], logps[1::2], counts[0::2], counts[1::2])

@@ -118,7 +118,7 @@ class PreferenceLoss:
         if self.needs_reference and reference is None:
             raise ValueError(f"loss_type {self.loss_type!r} needs reference log-probabilities")
         beta, smoothing = self.beta, self.label_smoothing
-        chosen, rejected = policy.chosen.float(), policy.rejected.float()
+        chosen, rejected = _upcast(policy.chosen), _upcast(policy.rejected)
         if self.loss_type in REFERENCE_FREE:  # average log-probability per response token
             chosen = chosen / policy.chosen_tokens.clamp(min=1)
             rejected = rejected / policy.rejected_tokens.clamp(min=1)
@@ -130,8 +130,8 @@ class PreferenceLoss:
                 log_odds = (chosen - rejected) - (_log1mexp(chosen) - _log1mexp(rejected))
                 losses = -beta * F.logsigmoid(log_odds)
         else:
-            chosen_ratio = chosen - reference.chosen.float()
-            rejected_ratio = rejected - reference.rejected.float()
+            chosen_ratio = chosen - _upcast(reference.chosen)
+            rejected_ratio = rejected - _upcast(reference.rejected)
             chosen_rewards, rejected_rewards = beta * chosen_ratio.detach(), beta * rejected_ratio.detach()
             delta = chosen_ratio - rejected_ratio
             if self.loss_type == "sigmoid":
@@ -155,6 +155,11 @@ class PreferenceLoss:
             "logps/rejected": rejected.detach().sum(),
         }
         return PairTerms(losses.sum(), nll_sum, metrics)
+
+
+def _upcast(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in fp32, or in its own dtype when wider (fp64)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
 def _log1mexp(x: torch.Tensor) -> torch.Tensor:
