@@ -8,7 +8,8 @@ Imported by ``xtl/__init__.py``, so every xtl process (the command, notebooks, b
   all-gathers;
 - Lightning warns that a rank's list of evaluation dataloaders is empty when a run has no validation sets, that a
   resumed run's checkpoint folder is not empty, that manual optimization checkpoints after the step (xtl's
-  design), about torch deprecations inside itself, and advertises its cloud logger;
+  design), that evaluation metrics are logged without ``sync_dist`` (they are synced torchmetrics), about torch
+  deprecations inside itself, and advertises its cloud logger;
 - transformers warns about its own deprecations inside peft.
 """
 
@@ -42,6 +43,8 @@ _WARNING_NOISE = (
     r"Checkpoint directory .* exists and is not empty",
     # LanguageModule cuts context-parallel shares in its own batch hook; the datamodule has none to override
     r"You have overridden `on_before_batch_transfer` in `LightningModule`",
+    # evaluation metrics are torchmetrics sums, synced over the ranks before they are logged
+    r"It is recommended to use `self.log\('(val|test)/",
 )
 
 

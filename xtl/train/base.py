@@ -6,18 +6,22 @@ import json
 import math
 import sys
 import warnings
+from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
 import lightning.pytorch as pl
+import numpy as np
 import torch
 import torch.distributed as dist
 import torchmetrics
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
-from xtl.data.collate import MicroBatch, split_for_context_parallel
+from xtl.data.collate import MicroBatch, collate_pack, split_for_context_parallel
+from xtl.data.item import IGNORE_INDEX
+from xtl.data.packing import Pack
 from xtl.errors import ConfigError, did_you_mean
 from xtl.model import BaseModel, ModelOutput
 from xtl.strategies.parallelize import ModelTransform, ParallelizingStrategy, SingleDevice, WeightSource
@@ -323,6 +327,23 @@ class LanguageModule(pl.LightningModule):
         atomic_write_bytes(path, lines.encode("utf-8"))
         rank_zero_info(f"xtl predict: wrote {len(self._predictions)} predictions to {path}")
 
+    def eval_micro_batches(self, batch: list[MicroBatch]) -> Iterator[tuple[MicroBatch, bool]]:
+        """This rank's micro-batches of an evaluation step, ``(micro-batch, True)``, then ``(filler, False)`` up to
+        the most any rank has in the step.
+
+        At the tail of a held-out set ranks get fewer packs (or none); with sharded parameters every forward gathers
+        them with collectives, so every rank must run the same number of forwards: the others forward a 2-token
+        filler pack without labels, whose output the caller drops.
+        """
+        target = len(batch)
+        if self.parallelizer.shards_parameters and dist.is_initialized() and dist.get_world_size() > 1:
+            most = torch.tensor(float(target), device=self.device)
+            dist.all_reduce(most, op=dist.ReduceOp.MAX)
+            target = int(most.item())
+        yield from ((mb, True) for mb in batch)
+        for _ in range(target - len(batch)):
+            yield self._filler_micro_batch(), False
+
     # ---- checkpoint ------------------------------------------------------------------------------------------
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -452,8 +473,10 @@ class LanguageModule(pl.LightningModule):
 
     def _eval_step(self, sets: nn.ModuleDict, batch: list[Any], dataloader_idx: int) -> None:
         metrics = self._metrics_for(sets, dataloader_idx)
-        for mb in batch:
+        for mb, real in self.eval_micro_batches(batch):
             out = self.model(seq_ctx=mb.seq_ctx, labels=mb.labels, return_logits=True)
+            if not real:
+                continue
             mask = mb.labels != -100
             correct = ((out.logits.argmax(-1) == mb.labels) & mask).sum()
             metrics["loss_sum"].update(out.loss_sum.detach().float())
@@ -462,6 +485,14 @@ class LanguageModule(pl.LightningModule):
         if not batch:  # keep collective calls aligned when a rank has no eval packs left
             for metric in metrics.values():
                 metric.update(torch.zeros((), device=self.device))
+
+    def _filler_micro_batch(self) -> MicroBatch:
+        """A 2-token pack without labels (this rank's share of it under context parallelism), on this device."""
+        filler = collate_pack(Pack(-1, np.zeros(2, dtype=np.int64), np.full(2, IGNORE_INDEX, dtype=np.int64), [2]))
+        layout = self.parallelizer.layout
+        if layout.cp > 1:
+            filler = split_for_context_parallel(filler, layout.context_rank(self.global_rank), layout.cp)
+        return filler.to(self.device)
 
     def _log_eval_metrics(self, stage: str, sets: nn.ModuleDict) -> None:
         for key, metrics in sets.items():

@@ -254,8 +254,9 @@ class PreferenceModule(LanguageModule):
         """Accumulate the pairs' loss and metric sums of one held-out set (torchmetrics, synced across ranks)."""
         metrics = self._preference_metrics(self._val_metrics, dataloader_idx)
         with torch.no_grad():
-            for mb in batch:
-                if pair_count(mb) == 0:
+            for mb, real in self.eval_micro_batches(batch):
+                if not real or pair_count(mb) == 0:  # every rank runs as many forwards (sharded parameters)
+                    self._filler_forwards(mb)
                     continue
                 _, terms = self._pair_terms(mb, f"val/{dataloader_idx}")
                 chosen = _chosen_tokens(mb)
@@ -280,6 +281,12 @@ class PreferenceModule(LanguageModule):
                 metric.reset()
 
     # ---- private ---------------------------------------------------------------------------------------------
+
+    def _filler_forwards(self, mb: MicroBatch) -> None:
+        """The forwards of a micro-batch without pairs: the policy, and the live reference when there is one."""
+        self.model(seq_ctx=mb.seq_ctx, labels=mb.labels, return_logits=False)
+        if self.resolved_reference == "live":
+            self._reference[0](seq_ctx=mb.seq_ctx, labels=mb.labels, return_logits=False)
 
     def _pair_terms(self, mb: MicroBatch, dataset: str = TRAIN_SET) -> tuple[ModelOutput, PairTerms]:
         """The policy's output and the pair terms of one micro-batch (the reference's log-probabilities without
