@@ -83,6 +83,8 @@ def _check_claim(cell: Cell, result: dict, plain: dict) -> None:
     claim = cell.feature.claim
     if claim == "bitwise":
         assert got == ref, f"{cell.feature.name} changed the losses: {got} vs plain {ref}"
+    elif claim == "objective":
+        return  # another objective: its own first-step value is checked by _check_feature_acts
     elif claim == "first_step":
         assert got["0"] == ref["0"], f"{cell.feature.name} changed the first loss: {got} vs plain {ref}"
     else:
@@ -110,6 +112,9 @@ def _check_feature_acts(cell: Cell, result: dict, plain: dict) -> None:
         assert "parity/ok" in result["logged"]
     elif name == "throughput":
         assert "train/tflops_per_device" in result["logged"]
+    elif name == "dpo":  # step 0: the policy is its reference, every margin 0, the loss log 2
+        assert math.isclose(float(result["losses"]["0"]), math.log(2), rel_tol=1e-6), result["losses"]
+        assert {"train/rewards/accuracies", "train/rewards/margins", "train/logps/chosen"} <= set(result["logged"])
     elif name == "hf_export":
         files = set(probe["files"])
         assert "hf/final/config.json" in files and any(f.endswith(".safetensors") for f in files), files

@@ -133,7 +133,8 @@ class Feature:
         inline: Extra YAML appended after them (a setting the shipped fragment leaves at another value).
         claim: ``bitwise``: every step's loss equals the plain run's; ``first_step``: the first loss equals the
             plain run's (the feature changes the update, not the initial model); ``close``: the first loss is
-            within :data:`CLOSE_RTOL` of the plain run's (the feature changes the numerics).
+            within :data:`CLOSE_RTOL` of the plain run's (the feature changes the numerics); ``objective``: another
+            training objective, held to its own first-step value (DPO: ``log 2``, the policy is its reference).
         what: Description for the docs.
     """
 
@@ -171,6 +172,15 @@ FEATURES = (
     Feature("parity_check", ("parity_check.yaml",), "", "bitwise", "runtime HF parity check"),
     Feature("throughput", ("throughput.yaml",), "", "bitwise", "throughput / MFU logging"),
     Feature("hf_export", ("hf_export.yaml",), "", "bitwise", "HF export at the end"),
+    Feature(
+        "dpo",
+        (),
+        "model:\n  class_path: xtl.train.PreferenceModule\n  init_args:\n"
+        "    objective: {loss_type: sigmoid, beta: 0.1}\n"
+        "data:\n  sources: [{path: tiny:preference_train.jsonl, kind: preference}]\n",
+        "objective",
+        "preference optimization (DPO, live reference sharded like the policy) on the tiny preference pairs",
+    ),
 )
 
 
@@ -220,6 +230,7 @@ REFUSED: dict[tuple[str, str, str], str] = {
     ("vlm", "parity_check", "*"): "HFParityCheck compares decoder-only text models",
     ("vlm_moe", "parity_check", "*"): "HFParityCheck compares decoder-only text models",
     ("*", "parity_check", "cp"): "HFParityCheck runs whole documents on each process",
+    ("*", "dpo", "cp"): "preference optimization sums each response's log-probability on one rank",
 }
 
 

@@ -6,7 +6,7 @@ import json
 import math
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
 from typing import Any, Literal
@@ -214,14 +214,34 @@ class LanguageModule(pl.LightningModule):
         still counts (``global_step``, the schedule). Skips are counted on the device and warned about on the next
         logged step.
         """
+
+        def forward(mb: MicroBatch) -> ModelOutput:
+            return self.model(seq_ctx=mb.seq_ctx, labels=mb.labels, return_logits=False)
+
+        result = self.optimizer_step_over(batch, forward, lambda mb: mb.num_tokens)
+        self.log_step_metrics({})
+        return result.loss_sum / result.global_tokens.clamp(min=1)
+
+    def optimizer_step_over(
+        self, batch: list[Any], forward: Callable[[Any], ModelOutput], num_items: Callable[[Any], int]
+    ) -> StepResult:
+        """Forward and backward over the micro-batches (each adds ``loss_sum / global items``), then clip, step
+        (unless the gradient norm is not finite), the family's and transforms' updates, and the step's logging.
+
+        Args:
+            batch: This rank's micro-batches.
+            forward: The model's output on one micro-batch, with the ``loss_sum`` the objective minimizes.
+            num_items: What ``loss_sum`` is normalized by, per micro-batch (supervised tokens, pairs, ...); summed over
+                the step's micro-batches and data-parallel ranks.
+        """
         optimizer = self.optimizers()
         scheduler = self.lr_schedulers()
         for behaviour in self.family_training:
             behaviour.start_step(len(batch), self.device)
         result = forward_backward(
-            forward=lambda mb: self.model(seq_ctx=mb.seq_ctx, labels=mb.labels, return_logits=False),
+            forward=forward,
             micro_batches=batch,
-            num_tokens=lambda mb: mb.num_tokens,
+            num_tokens=num_items,
             dp_world_size=self._averaged_ranks(),
             backward=self.manual_backward,
             device=self.device,
@@ -236,10 +256,13 @@ class LanguageModule(pl.LightningModule):
         optimizer.zero_grad(set_to_none=True)
         self._skipped = self._skipped.to(found_inf.device) + found_inf
         self._log_step(batch, result, grad_norm)
-        family_metrics = {f"train/{k}": v for b in self.family_training for k, v in b.step_metrics().items()}
-        if family_metrics:
-            self.log_dict(family_metrics, on_step=True, on_epoch=False, batch_size=1)
-        return result.loss_sum / result.global_tokens.clamp(min=1)
+        return result
+
+    def log_step_metrics(self, values: dict[str, torch.Tensor]) -> None:
+        """Log an objective's step metrics (``train/...`` keys) with the family's (router statistics)."""
+        values = {**values, **{f"train/{k}": v for b in self.family_training for k, v in b.step_metrics().items()}}
+        if values:
+            self.log_dict(values, on_step=True, on_epoch=False, batch_size=1)
 
     def on_train_start(self) -> None:
         """Start the throughput window (setup and loading before the first step are not counted)."""

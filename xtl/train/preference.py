@@ -49,7 +49,7 @@ from xtl.train.reference_cache import (
     save_reference_table,
     weights_fingerprint,
 )
-from xtl.train.step import forward_backward, global_token_count, grad_norm_and_clip, optimizer_step_unless_nonfinite
+from xtl.train.step import global_token_count
 
 ReferenceMode = Literal["auto", "live", "adapters_off", "precomputed", "none"]
 TRAIN_SET = "train"
@@ -208,9 +208,6 @@ class PreferenceModule(LanguageModule):
         chosen response tokens of the whole step, all data-parallel ranks) to the loss, so the gradient does not
         depend on how pairs are split into micro-batches and ranks.
         """
-        optimizer, scheduler = self.optimizers(), self.lr_schedulers()
-        for behaviour in self.family_training:
-            behaviour.start_step(len(batch), self.device)
         group = self.parallelizer.data_group()
         chosen_tokens = global_token_count(sum(_chosen_tokens(mb) for mb in batch), self.device, group)
         pairs = global_token_count(sum(pair_count(mb) for mb in batch), self.device, group)
@@ -223,29 +220,10 @@ class PreferenceModule(LanguageModule):
             loss_sum = terms.loss_sum + self.objective.nll_weight * terms.nll_sum * ratio
             return ModelOutput(loss_sum=loss_sum, num_tokens=None, extras=output.extras)
 
-        result = forward_backward(
-            forward=forward,
-            micro_batches=batch,
-            num_tokens=pair_count,
-            dp_world_size=self._averaged_ranks(),
-            backward=self.manual_backward,
-            device=self.device,
-            group=group,
-            extra_loss=self.extra_loss,
-            gradient_sync=self._gradient_sync,
-        )
-        grad_norm = grad_norm_and_clip(list(self.model.parameters()), self.hparams.max_grad_norm)
-        found_inf = optimizer_step_unless_nonfinite(optimizer, grad_norm)
-        scheduler.step()
-        self.after_optimizer_step(result, 1.0 - found_inf)
-        optimizer.zero_grad(set_to_none=True)
-        self._skipped = self._skipped.to(found_inf.device) + found_inf
-        self._log_step(batch, result, grad_norm)
+        result = self.optimizer_step_over(batch, forward, pair_count)
         metrics = self._sum_over_data_ranks(torch.stack([sum(s[k] for s in sums) for k in METRICS]))
         metrics = metrics / result.global_tokens.clamp(min=1)
-        values = {f"train/{k}": v for k, v in zip(METRICS, metrics)}
-        values.update({f"train/{k}": v for b in self.family_training for k, v in b.step_metrics().items()})
-        self.log_dict(values, on_step=True, on_epoch=False, batch_size=1)
+        self.log_step_metrics({f"train/{k}": v for k, v in zip(METRICS, metrics)})
         return result.loss_sum / result.global_tokens.clamp(min=1)
 
     # ---- validation ------------------------------------------------------------------------------------------
