@@ -230,7 +230,6 @@ REFUSED: dict[tuple[str, str, str], str] = {
     ("vlm", "parity_check", "*"): "HFParityCheck compares decoder-only text models",
     ("vlm_moe", "parity_check", "*"): "HFParityCheck compares decoder-only text models",
     ("*", "parity_check", "cp"): "HFParityCheck runs whole documents on each process",
-    ("*", "dpo", "cp"): "preference optimization sums each response's log-probability on one rank",
 }
 
 

@@ -90,7 +90,7 @@ class TestReference:
         module = _module()
         assert module.resolved_reference == "live"
         mb = _pairs([9, 7, 12, 10])
-        _, terms = module._pair_terms(mb)
+        _, terms, _ = module._pair_terms(mb)
         assert terms.metric_sums["rewards/margins"] == 0
         assert math.isclose(float(terms.loss_sum.detach()), 2 * math.log(2), rel_tol=1e-6)
         names = {name for name, _ in module.named_parameters()}
@@ -102,7 +102,7 @@ class TestReference:
         mb = _pairs([9, 7, 12, 10])
         with torch.no_grad():
             module.model.lm_head.weight.mul_(1.5)
-        _, terms = module._pair_terms(mb)
+        _, terms, _ = module._pair_terms(mb)
         assert terms.metric_sums["rewards/chosen"] != 0
 
     def test_adapters_off_is_the_base_model(self):
@@ -152,8 +152,8 @@ class TestPrecomputedReference:
         for _ in range(2):
             for i, lengths in enumerate(PACKS):
                 mb = _pairs(lengths, seed=i, index=i)
-                _, want = live._pair_terms(mb)
-                _, got = precomputed._pair_terms(mb)
+                _, want, _ = live._pair_terms(mb)
+                _, got, _ = precomputed._pair_terms(mb)
                 for key in ("rewards/chosen", "rewards/rejected", "rewards/margins"):
                     torch.testing.assert_close(got.metric_sums[key], want.metric_sums[key], rtol=1e-6, atol=1e-7)
                 torch.testing.assert_close(got.loss_sum, want.loss_sum, rtol=1e-6, atol=0)

@@ -105,16 +105,30 @@ PRECOMPUTED = ("--model.init_args.reference", "precomputed")
 @pytest.mark.slow
 @pytest.mark.distributed
 class TestPreferenceFit:
-    def test_fsdp_on_two_ranks_equals_one_process(self, tmp_path, data_cache):
+    @pytest.fixture(scope="class")
+    def one_process(self, tmp_path_factory, data_cache) -> dict[int, dict]:
+        """3 steps on one process, 4 packs per step (the packs 2 data-parallel ranks, or 1 context-parallel group,
+        read)."""
+        return _fit(tmp_path_factory.mktemp("one"), data_cache, TINY_MODEL, "--data.micro_batches_per_step", "4")[0]
+
+    def test_fsdp_on_two_ranks_equals_one_process(self, tmp_path, data_cache, one_process):
         """DPO + an NLL term (normalized over the step's chosen tokens) with a live reference sharded like the
         policy: the same losses and reward metrics as one process reading the same pairs."""
         two = ["--data.micro_batches_per_step", "2"]
         sharded, err = _fit(tmp_path / "fsdp", data_cache, TINY_MODEL, *two, fragment=FSDP.format(extra=""))
         assert "reference: live" in err
-        single, _ = _fit(tmp_path / "one", data_cache, TINY_MODEL, "--data.micro_batches_per_step", "4")
-        _close(sharded, single, range(3))
-        assert single[0]["train/rewards/margins"] == 0, "step 0: the policy is its reference"
-        assert single[2]["train/rewards/margins"] != 0
+        _close(sharded, one_process, range(3))
+        assert one_process[0]["train/rewards/margins"] == 0, "step 0: the policy is its reference"
+        assert one_process[2]["train/rewards/margins"] != 0
+
+    def test_context_parallel_two_ranks_equal_one_process(self, tmp_path, data_cache, one_process):
+        """CP 2: each response's log-probability is summed over the two shares of its pack (documents cross the cut);
+        the same losses and reward metrics as one process reading the same packs."""
+        fragment = FSDP.format(extra="      context_parallel_size: 2\n")
+        split, _ = _fit(
+            tmp_path / "cp", data_cache, TINY_MODEL, "--data.micro_batches_per_step", "4", fragment=fragment
+        )
+        _close(split, one_process, range(3))
 
     def test_lora_uses_the_base_model_as_reference(self, tmp_path, data_cache):
         """Under LoRA the reference is the model with its adapters off (no second copy): at step 0 (``lora_B = 0``)

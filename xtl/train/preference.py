@@ -60,12 +60,18 @@ def pair_count(batch: MicroBatch) -> int:
     return (batch.seq_ctx.num_docs - (1 if batch.seq_ctx.num_padding else 0)) // 2
 
 
-def sequence_logps(output: ModelOutput, batch: MicroBatch) -> tuple[SequenceLogps, torch.Tensor]:
+def sequence_logps(
+    output: ModelOutput, batch: MicroBatch, group: dist.ProcessGroup | None = None
+) -> tuple[SequenceLogps, torch.Tensor]:
     """Each response's summed log-probability and token count, and the chosen responses' summed cross-entropy.
 
     Args:
         output: The model's output with ``token_losses`` (``return_token_losses=True``).
-        batch: The preference micro-batch it ran on.
+        batch: The preference micro-batch it ran on (a context-parallel share: its positions are those of the whole
+            pack from ``seq_ctx.share_start`` on).
+        group: The context-parallel group whose shares hold the rest of the pack (``None``: the whole pack is here).
+            The per-response sums are all-reduced over it (differentiably, so each share's tokens get their
+            gradient); the cross-entropy sum stays this share's.
 
     Returns:
         ``(SequenceLogps, nll_sum)``, with gradient.
@@ -78,13 +84,17 @@ def sequence_logps(output: ModelOutput, batch: MicroBatch) -> tuple[SequenceLogp
     targets = batch.labels[0].to(losses.device).index_select(0, positions)
     supervised = targets != IGNORE_INDEX
     ends = ctx.cu_seq_lens[1:].to(losses.device, torch.long)
-    document = torch.searchsorted(ends, positions, right=True).clamp(max=2 * pairs)  # padding -> one extra bin
+    document = torch.searchsorted(ends, positions + ctx.share_start, right=True).clamp(max=2 * pairs)  # padding: 1 bin
     logps = torch.zeros(2 * pairs + 1, dtype=losses.dtype, device=losses.device)
     logps = logps.index_add(0, document, -losses * supervised)
     counts = torch.zeros(2 * pairs + 1, device=losses.device).index_add(0, document, supervised.float())
     logps, counts = logps[: 2 * pairs], counts[: 2 * pairs]
-    result = SequenceLogps(logps[0::2], logps[1::2], counts[0::2], counts[1::2])
-    return result, -result.chosen.sum()
+    nll_sum = -logps[0::2].sum()
+    if group is not None:
+        logps = _AllReduceSum.apply(logps, group)
+        counts = counts.clone()
+        dist.all_reduce(counts, group=group)
+    return SequenceLogps(logps[0::2], logps[1::2], counts[0::2], counts[1::2]), nll_sum
 
 
 class PreferenceModule(LanguageModule):
@@ -191,12 +201,12 @@ class PreferenceModule(LanguageModule):
         return "adapters_off" if lora else "live"
 
     def setup(self, stage: str) -> None:
-        """Refuse context parallelism (a response's log-probability is summed on one rank)."""
+        """Refuse precomputed references under context parallelism (the one pass forwards whole packs per rank)."""
         super().setup(stage)
-        if self.parallelizer.layout.cp > 1:
+        if self.parallelizer.layout.cp > 1 and self.reference_mode == "precomputed":
             raise ConfigError(
-                "preference optimization sums each response's log-probability on one rank: set "
-                "trainer.strategy.init_args.context_parallel_size to 1"
+                "model.init_args.reference: precomputed computes whole packs on each data-parallel rank; with "
+                "trainer.strategy.init_args.context_parallel_size > 1 use reference: live (or adapters_off)"
             )
 
     # ---- training --------------------------------------------------------------------------------------------
@@ -215,7 +225,7 @@ class PreferenceModule(LanguageModule):
         sums: list[dict[str, torch.Tensor]] = []
 
         def forward(mb: MicroBatch) -> ModelOutput:
-            output, terms = self._pair_terms(mb)
+            output, terms, _ = self._pair_terms(mb)
             sums.append(terms.metric_sums)
             loss_sum = terms.loss_sum + self.objective.nll_weight * terms.nll_sum * ratio
             return ModelOutput(loss_sum=loss_sum, num_tokens=None, extras=output.extras)
@@ -236,9 +246,11 @@ class PreferenceModule(LanguageModule):
                 if not real or pair_count(mb) == 0:  # every rank runs as many forwards (sharded parameters)
                     self._filler_forwards(mb)
                     continue
-                _, terms = self._pair_terms(mb, f"val/{dataloader_idx}")
-                chosen = _chosen_tokens(mb)
-                loss = terms.loss_sum + self.objective.nll_weight * terms.nll_sum * pair_count(mb) / max(chosen, 1)
+                _, terms, policy = self._pair_terms(mb, f"val/{dataloader_idx}")
+                nll = -policy.chosen.sum() / policy.chosen_tokens.sum().clamp(
+                    min=1
+                )  # the whole pack's, on every share
+                loss = terms.loss_sum + self.objective.nll_weight * nll * pair_count(mb)
                 metrics["loss"].update(loss.detach())
                 metrics["pairs"].update(torch.tensor(float(pair_count(mb)), device=self.device))
                 for key in METRICS:
@@ -266,12 +278,14 @@ class PreferenceModule(LanguageModule):
         if self.resolved_reference == "live":
             self._reference[0](seq_ctx=mb.seq_ctx, labels=mb.labels, return_logits=False)
 
-    def _pair_terms(self, mb: MicroBatch, dataset: str = TRAIN_SET) -> tuple[ModelOutput, PairTerms]:
-        """The policy's output and the pair terms of one micro-batch (the reference's log-probabilities without
-        gradient; under ``precomputed``, those of ``mb.pack_index`` in the table of ``dataset``: ``train`` or
-        ``val/<dataloader_idx>``)."""
+    def _pair_terms(self, mb: MicroBatch, dataset: str = TRAIN_SET) -> tuple[ModelOutput, PairTerms, SequenceLogps]:
+        """The policy's output, the pair terms of one micro-batch and the policy's log-probabilities (the
+        reference's without gradient; under ``precomputed``, those of ``mb.pack_index`` in the table of ``dataset``:
+        ``train`` or ``val/<dataloader_idx>``). Under context parallelism the log-probabilities are the whole
+        pack's, summed over the shares."""
+        group = self.parallelizer.meshes.cp_group()
         output = self.model(seq_ctx=mb.seq_ctx, labels=mb.labels, return_logits=False, return_token_losses=True)
-        policy, nll_sum = sequence_logps(output, mb)
+        policy, nll_sum = sequence_logps(output, mb, group)
         reference = None
         mode = self.resolved_reference
         if mode == "precomputed":
@@ -289,8 +303,8 @@ class PreferenceModule(LanguageModule):
                     with adapters_disabled(self.model):
                         ref_out = self.model(seq_ctx=mb.seq_ctx, labels=mb.labels, return_logits=False,
                                              return_token_losses=True)  # fmt: skip
-                reference, _ = sequence_logps(ref_out, mb)
-        return output, self.objective.terms(policy, reference, nll_sum)
+                reference, _ = sequence_logps(ref_out, mb, group)
+        return output, self.objective.terms(policy, reference, nll_sum), policy
 
     def _prepare_reference_tables(self) -> None:
         """``reference: precomputed``: read or compute the reference table of every preference set of the run.
@@ -457,9 +471,27 @@ def _describe(transform: Any) -> dict[str, Any]:
     return {"class": f"{type(transform).__module__}.{type(transform).__qualname__}", **settings}
 
 
+class _AllReduceSum(torch.autograd.Function):
+    """Sum over a process group; the gradient of each rank's input is the sum of every rank's output gradient."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # noqa: ANN001
+        ctx.group = group
+        out = tensor.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # noqa: ANN001
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
 def _chosen_tokens(batch: MicroBatch) -> int:
-    """Supervised tokens of the chosen responses of a preference micro-batch (host-side)."""
-    bounds = batch.seq_ctx.doc_bounds
-    labels = batch.labels[0]
+    """Supervised tokens of the chosen responses in a preference micro-batch (host-side; a context-parallel share
+    counts its own)."""
+    start, labels = batch.seq_ctx.share_start, batch.labels[0]
+    bounds = [min(max(b - start, 0), labels.numel()) for b in batch.seq_ctx.doc_bounds]
     pairs = pair_count(batch)
     return sum(int((labels[bounds[2 * k] : bounds[2 * k + 1]] != IGNORE_INDEX).sum()) for k in range(pairs))
