@@ -54,9 +54,12 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+import datasets  # noqa: E402 - trl and datasets are dev dependencies: a missing one fails, never skips
 import numpy as np
 import pytest
 import torch
+import trl  # noqa: E402
+from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM  # noqa: E402
 
 from xtl.data.collate import MicroBatch, collate_pack
 from xtl.data.packing import Pack
@@ -66,10 +69,6 @@ from xtl.train.preference_loss import METRICS, PairTerms, PreferenceLoss, Sequen
 from xtl.utils import resolve_pretrained
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*is deprecated and will be removed in v6:FutureWarning")
-trl = pytest.importorskip("trl")
-datasets = pytest.importorskip("datasets")
-
-from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM  # noqa: E402
 
 with warnings.catch_warnings():  # "You are importing from 'trl.experimental'"
     warnings.simplefilter("ignore")
