@@ -5,7 +5,9 @@
 Writes a byte-level BPE tokenizer with the Qwen3 special tokens and Qwen3 chat template, a synthetic SFT task
 with checkable answers (``sft_train.jsonl``, held-out ``sft_eval.jsonl`` with an ``answer`` field), preference pairs
 built from it (``preference_train.jsonl``, ``preference_eval.jsonl``: the SFT prompt, its correct answer as ``chosen``
-and a corrupted answer as ``rejected``), and a small pretraining text set (``pretrain.jsonl``).
+and a corrupted answer as ``rejected``), unpaired preference rows for KTO made from those pairs (``kto_train.jsonl``,
+``kto_eval.jsonl``: each prompt once, with its correct answer labeled true or its corrupted one labeled false, in
+turn), and a small pretraining text set (``pretrain.jsonl``).
 """
 
 from __future__ import annotations
@@ -71,8 +73,10 @@ def main() -> None:
     _write_jsonl(out / "sft_eval.jsonl", evals)
     _write_jsonl(out / "pretrain.jsonl", pretrain)
     preference_rng = random.Random(f"preference-{args.seed}")  # its own stream: the other files do not move
-    _write_jsonl(out / "preference_train.jsonl", preference_rows(train, preference_rng))
-    _write_jsonl(out / "preference_eval.jsonl", preference_rows(evals, preference_rng))
+    pairs = {"train": preference_rows(train, preference_rng), "eval": preference_rows(evals, preference_rng)}
+    for split, rows in pairs.items():
+        _write_jsonl(out / f"preference_{split}.jsonl", rows)
+        _write_jsonl(out / f"kto_{split}.jsonl", unpaired_rows(rows))
 
     template = (
         Path(__file__).resolve().parent.parent / "xtl" / "assets" / "chat_templates" / "qwen3.jinja"
@@ -170,6 +174,22 @@ def preference_rows(sft_rows: list[dict], rng: random.Random) -> list[dict]:
         assert wrong != answer["content"], (prompt, wrong)
         rows.append({"prompt": prompt, "chosen": [answer], "rejected": [{"role": "assistant", "content": wrong}]})
     return rows
+
+
+def unpaired_rows(pairs: list[dict]) -> list[dict]:
+    """Unpaired preference rows (TRL's conversational layout) from preference pairs: each prompt once, the even rows
+    with their chosen answer labeled desirable, the odd rows with their rejected answer labeled undesirable.
+
+    Args:
+        pairs (list[dict]): Rows of :func:`preference_rows`.
+
+    Returns:
+        list[dict]: ``{"prompt": messages, "completion": [assistant turn], "label": bool}`` per pair, in order.
+    """
+    return [
+        {"prompt": row["prompt"], "completion": row["chosen" if k % 2 == 0 else "rejected"], "label": k % 2 == 0}
+        for k, row in enumerate(pairs)
+    ]
 
 
 def _corrupt(prompt: str, answer: str, rng: random.Random) -> str:

@@ -31,6 +31,7 @@ from xtl.data.templates import TEMPLATES, ChatTemplate, Rendered, get_template
 from xtl.data.tiny import build_bpe_tokenizer, tiny_assets_dir
 from xtl.data.tokenize import ChatTokenizeFn, PretrainTokenizeFn, TokenizeFn, tokenizer_fingerprint
 from xtl.data.tokenize_fn import build_tokenize_fn
+from xtl.data.unpaired import UnpairedPreferenceTokenizeFn, parse_unpaired_row
 
 if TYPE_CHECKING:
     from xtl.data.datamodule import XTLDataModule
@@ -64,6 +65,7 @@ __all__ = [
     "StepSampler",
     "TokenizeFn",
     "TokenizedCache",
+    "UnpairedPreferenceTokenizeFn",
     "XTLDataModule",
     "best_fit_pack",
     "build_bpe_tokenizer",
@@ -80,6 +82,7 @@ __all__ = [
     "load_preset_order",
     "open_source",
     "parse_preference_row",
+    "parse_unpaired_row",
     "plan_fingerprint",
     "preset_pack",
     "save_plan",

@@ -7,6 +7,8 @@ Layout of one entry (``cache_dir/<source stem>-<key>/``)::
     loss_mask.bin    uint8, 1 where the token is a training target (labels == input_ids), else 0
     offsets.npy      int64 (num_samples + 1,), sample i is [offsets[i], offsets[i+1])
     rows.npy         int64 (num_samples,), the source row each sample came from
+    tags.npy         int8 (num_samples,), a tag per sample (only from a tokenize fn whose ``tagged`` is true: the
+                     label of an unpaired preference row)
 
 The key hashes (source content, tokenizer, tokenize-fn code and arguments). An entry is built in a temporary
 folder and renamed into place; a ``filelock`` lock makes concurrent builders (ranks, runs) build it once.
@@ -48,6 +50,7 @@ class TokenizedCache:
     offsets: np.ndarray
     rows: np.ndarray
     meta: dict[str, Any]
+    tags: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -187,15 +190,15 @@ def _init_worker(source: Source, fn: TokenizeFn) -> None:
     _WORKER = (source, fn)
 
 
-def _tokenize_range(bounds: tuple[int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def _tokenize_range(bounds: tuple[int, int]) -> tuple[np.ndarray, ...]:
     assert _WORKER is not None
     source, fn = _WORKER
     start, stop = bounds
     rows = source.rows(start, stop)
     results = fn.batch_arrays(rows, lambda i: source.location(start + i))
-    lengths, row_ids, id_chunks, mask_chunks = [], [], [], []
+    lengths, row_ids, id_chunks, mask_chunks, tags = [], [], [], [], []
     for i, samples in enumerate(results):
-        for ids, mask in samples:
+        for ids, mask, *tag in samples:
             if len(ids) == 0:
                 continue
             if len(mask) != len(ids):
@@ -204,6 +207,7 @@ def _tokenize_range(bounds: tuple[int, int]) -> tuple[np.ndarray, np.ndarray, np
             row_ids.append(start + i)
             id_chunks.append(ids)
             mask_chunks.append(mask)
+            tags.append(tag[0] if tag else 0)
     flat_ids = np.concatenate(id_chunks) if id_chunks else np.zeros(0, dtype=np.int64)
     if len(flat_ids) and (flat_ids.min() < 0 or flat_ids.max() >= 2**31):
         raise DataError(f"tokenize fn for {source.path} returned token ids outside int32")
@@ -212,6 +216,7 @@ def _tokenize_range(bounds: tuple[int, int]) -> tuple[np.ndarray, np.ndarray, np
         (np.concatenate(mask_chunks) if mask_chunks else np.zeros(0, dtype=bool)).astype(np.uint8),
         np.asarray(lengths, dtype=np.int64),
         np.asarray(row_ids, dtype=np.int64),
+        np.asarray(tags, dtype=np.int8),
     )
 
 
@@ -233,14 +238,16 @@ def _build_into(
     num_proc = max(1, min(num_proc, len(tasks) or 1))
     lengths: list[np.ndarray] = []
     row_ids: list[np.ndarray] = []
+    tags: list[np.ndarray] = []
     bar = tqdm(total=num_rows, desc=f"tokenizing {source.path.name}", unit="rows", disable=not progress)
     try:
         with (tmp / "input_ids.bin").open("wb") as f_ids, (tmp / "loss_mask.bin").open("wb") as f_mask:
-            for (start, stop), (ids, mask, lens, rows) in zip(tasks, _run_tasks(tasks, source, fn, num_proc)):
+            for (start, stop), (ids, mask, lens, rows, tag) in zip(tasks, _run_tasks(tasks, source, fn, num_proc)):
                 f_ids.write(ids.tobytes())
                 f_mask.write(mask.tobytes())
                 lengths.append(lens)
                 row_ids.append(rows)
+                tags.append(tag)
                 bar.update(stop - start)
     except BaseException:
         bar.leave = False  # the error is the message: the half bar is cleared, and not drawn again at exit
@@ -252,6 +259,8 @@ def _build_into(
     np.cumsum(all_lengths, out=offsets[1:])
     np.save(tmp / "offsets.npy", offsets)
     np.save(tmp / "rows.npy", np.concatenate(row_ids) if row_ids else np.zeros(0, dtype=np.int64))
+    if fn.tagged:
+        np.save(tmp / "tags.npy", np.concatenate(tags) if tags else np.zeros(0, dtype=np.int8))
     meta = {
         "version": CACHE_VERSION,
         "name": name,
@@ -311,13 +320,16 @@ def _load_entry(target: Path, name: str) -> TokenizedCache | None:
             return None
         offsets = np.load(target / "offsets.npy", mmap_mode="r")
         rows = np.load(target / "rows.npy", mmap_mode="r")
+        tags = np.load(target / "tags.npy") if (target / "tags.npy").is_file() else None
     except (OSError, ValueError):
         return None
     if len(offsets) != int(meta["num_samples"]) + 1 or int(offsets[-1]) != n_tokens:
+        return None
+    if tags is not None and len(tags) != int(meta["num_samples"]):
         return None
     if n_tokens:
         ids = np.memmap(target / "input_ids.bin", dtype=np.int32, mode="r", shape=(n_tokens,))
         mask = np.memmap(target / "loss_mask.bin", dtype=np.uint8, mode="r", shape=(n_tokens,))
     else:
         ids, mask = np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.uint8)
-    return TokenizedCache(target, ids, mask, np.asarray(offsets), np.asarray(rows), meta)
+    return TokenizedCache(target, ids, mask, np.asarray(offsets), np.asarray(rows), meta, tags)

@@ -26,6 +26,8 @@ class MicroBatch:
         num_tokens (int): Supervised targets (``labels != -100``).
         num_real_tokens (int): Non-padding tokens.
         pack_index (int): Index of the pack in its dataset.
+        doc_tags (tuple[int, ...] | None): The tag of every (non-padding) document, for tagged data (the labels of
+            unpaired preference rows); ``None`` otherwise.
     """
 
     seq_ctx: SequenceContext
@@ -33,6 +35,7 @@ class MicroBatch:
     num_tokens: int
     num_real_tokens: int
     pack_index: int = -1
+    doc_tags: tuple[int, ...] | None = None
 
     def to(self, device: torch.device | str, non_blocking: bool | None = None) -> MicroBatch:
         """Move tensors to ``device`` (Lightning's batch transfer calls this, without ``non_blocking``).
@@ -59,6 +62,7 @@ class MicroBatch:
             self.num_tokens,
             self.num_real_tokens,
             self.pack_index,
+            self.doc_tags,
         )
 
     def pin_memory(self) -> MicroBatch:
@@ -125,6 +129,7 @@ def collate_pack(pack: Pack, pad_token_id: int = 0, pad_to: int | None = None) -
         num_tokens=int(supervised.size),
         num_real_tokens=real,
         pack_index=pack.index,
+        doc_tags=None if pack.tags is None else tuple(pack.tags),
     )
 
 
@@ -194,4 +199,4 @@ def split_for_context_parallel(batch: MicroBatch, rank: int, size: int, pad_toke
         share_start=start,
         pack_input_ids=input_ids,
     )
-    return MicroBatch(local, local_labels, int(supervised.size), real, batch.pack_index)
+    return MicroBatch(local, local_labels, int(supervised.size), real, batch.pack_index, batch.doc_tags)

@@ -35,16 +35,18 @@ from xtl.data.preference import BAD_ROW_POLICIES, PREFERENCE_KIND, check_pair_pl
 from xtl.data.sampler import EvalStepSampler, RankSteps, SamplerOrder, StepSampler
 from xtl.data.sources import FileHashMemo, SourceSpec, open_source
 from xtl.data.tokenize_fn import build_tokenize_fn
+from xtl.data.unpaired import UNPAIRED_KIND
 from xtl.utils import resolve_path, resolve_pretrained
 
 log = logging.getLogger(__name__)
+PAIR_KINDS = (PREFERENCE_KIND, UNPAIRED_KIND)  # kinds whose rows become two samples kept together
 
 
 @dataclass
 class PackedSplit:
     """A tokenized, mixed and packed dataset with its plan (one for training, one per validation set).
 
-    ``pairs``: a preference set (``kind: preference``), whose packs hold whole chosen/rejected pairs;
+    ``pairs``: a preference set (``kind: preference``, or ``unpaired_preference``), whose packs hold whole pairs;
     ``dropped_rows``: rows of its sources skipped under ``bad_rows: drop``; ``key``: a fingerprint of what its packs
     hold (:func:`~xtl.data.packing.plan_fingerprint` of the cache entries, the mixing and the packing, or of a preset
     plan's table), for results computed from the packs and cached beside them (precomputed reference
@@ -70,7 +72,9 @@ class XTLDataModule(pl.LightningDataModule):
     sample; mixing and ``best_fit`` packing keep each pair whole, so the documents of a micro-batch alternate chosen,
     rejected (pair ``k`` = documents ``2k`` and ``2k + 1``). A set (the training sources, or one validation or test
     set) is all preference sources or none. Rows skipped under ``bad_rows: drop`` are logged and counted in
-    ``dropped_rows``.
+    ``dropped_rows``. Unpaired preference data (``kind: unpaired_preference``, KTO; :mod:`xtl.data.unpaired`) is
+    kept the same way: every row is its own sample and a mismatched one (for the KL estimate), and every document
+    carries its row's label (``MicroBatch.doc_tags``).
 
     Args:
         sources (list[SourceSpec]): Training sources, mixed by their ``sample_ratio``.
@@ -412,19 +416,21 @@ class XTLDataModule(pl.LightningDataModule):
                     raise DataError(
                         f"{key}: source {spec.path}: bad_rows must be 'error' or 'drop', got {spec.bad_rows!r}"
                     )
-                if spec.bad_rows == "drop" and spec.kind != PREFERENCE_KIND:
+                if spec.bad_rows == "drop" and spec.kind not in PAIR_KINDS:
                     raise DataError(
-                        f"{key}: source {spec.path}: bad_rows: drop applies to kind: preference only: remove it"
+                        f"{key}: source {spec.path}: bad_rows: drop applies to kind: preference and "
+                        "unpaired_preference only: remove it"
                     )
             kinds = sorted({spec.kind for spec in specs})
-            if PREFERENCE_KIND in kinds and len(kinds) > 1:
+            paired = [k for k in kinds if k in PAIR_KINDS]
+            if paired and len(kinds) > 1:
                 raise DataError(
-                    f"{key} mixes kind: preference with kind: {', '.join(k for k in kinds if k != PREFERENCE_KIND)}; "
-                    "a set is all preference pairs or none: move the preference sources to a set of their own"
+                    f"{key} mixes kind: {paired[0]} with kind: {', '.join(k for k in kinds if k != paired[0])}; "
+                    f"a set is all {paired[0]} data or none of it: move those sources to a set of their own"
                 )
-            if kinds == [PREFERENCE_KIND] and self.packing == "hard":
+            if paired and self.packing == "hard":
                 raise DataError(
-                    f"{key} holds kind: preference sources, but packing: hard cuts documents and would split pairs; "
+                    f"{key} holds kind: {paired[0]} sources, but packing: hard cuts documents and would split pairs; "
                     "use packing: best_fit"
                 )
 
@@ -465,7 +471,7 @@ class XTLDataModule(pl.LightningDataModule):
         )
         cache = build_cache(source, fn, self.cache_dir, num_proc=self.tokenize_workers, progress=self.progress)
         self._open_sources[cache.directory] = source
-        if kind == PREFERENCE_KIND:
+        if kind in PAIR_KINDS:
             dropped = dropped_rows(cache)  # also checks that the entry holds whole pairs
             self.dropped_rows[resolved.path] = dropped
             if dropped:
@@ -484,7 +490,7 @@ class XTLDataModule(pl.LightningDataModule):
                     f"{_resolve(spec.path)}: no usable rows (the source is empty, or every row was filtered out); "
                     "add data or remove it from the sources"
                 )
-        pairs = bool(specs) and all(s.kind == PREFERENCE_KIND for s in specs)
+        pairs = bool(specs) and all(s.kind in PAIR_KINDS for s in specs)
         data = MixedDataset(
             caches, [s.sample_ratio for s in specs], self.seed, [s.display_name for s in specs], pairs=pairs
         )

@@ -105,12 +105,14 @@ class PackPlan:
 
 @dataclass
 class Pack:
-    """One pack read from the caches: unshifted ids/labels and the length of each document."""
+    """One pack read from the caches: unshifted ids/labels, the length of each document and, for tagged data, the
+    tag of each document's sample."""
 
     index: int
     input_ids: np.ndarray
     labels: np.ndarray
     lengths: list[int]
+    tags: list[int] | None = None
 
 
 class PackedDataset:
@@ -131,8 +133,10 @@ class PackedDataset:
     def __getitem__(self, index: int) -> Pack:
         plan = self.plan
         a, b = int(plan.pack_offsets[index]), int(plan.pack_offsets[index + 1])
-        ids, labels, lengths = self.data.gather(plan.seg_sample[a:b], plan.seg_start[a:b], plan.seg_end[a:b])
-        return Pack(index, ids, labels, lengths.tolist())
+        samples = plan.seg_sample[a:b]
+        ids, labels, lengths = self.data.gather(samples, plan.seg_start[a:b], plan.seg_end[a:b])
+        tags = None if self.data.tags is None else self.data.tags[np.asarray(samples, dtype=np.int64)].tolist()
+        return Pack(index, ids, labels, lengths.tolist(), tags)
 
 
 def hard_pack(num_tokens: np.ndarray, pack_max_length: int, seed: int = 0, shuffle: bool = True) -> PackPlan:

@@ -41,7 +41,7 @@ _LAYOUTS = (
     "{'chosen': [messages], 'rejected': [messages]} (the prompt is their common prefix), or 'prompt', 'chosen' and "
     "'rejected' strings"
 )
-_FIX = "fix or remove the row, or set bad_rows: drop on this source to skip such rows"
+FIX = "fix or remove the row, or set bad_rows: drop on this source to skip such rows"
 
 
 class BadRowError(DataError):
@@ -73,10 +73,19 @@ class PreferenceRow:
         Returns:
             list[dict]: Messages for :class:`~xtl.data.tokenize.ChatTokenizeFn`.
         """
-        prompt = [
-            {**m, "loss": False} if isinstance(m, dict) and m.get("role") == "assistant" else m for m in self.prompt
-        ]
-        return prompt + list(getattr(self, name))
+        return unsupervised_prompt(self.prompt) + list(getattr(self, name))
+
+
+def unsupervised_prompt(prompt: list[Any]) -> list[Any]:
+    """A prompt's messages with its assistant turns marked ``"loss": false`` (only the response is supervised).
+
+    Args:
+        prompt (list[dict]): Messages before the response.
+
+    Returns:
+        list[dict]: The messages, assistant turns copied with ``"loss": False``.
+    """
+    return [{**m, "loss": False} if isinstance(m, dict) and m.get("role") == "assistant" else m for m in prompt]
 
 
 def parse_preference_row(row: dict[str, Any], location: str = "<row>") -> PreferenceRow:
@@ -99,12 +108,12 @@ def parse_preference_row(row: dict[str, Any], location: str = "<row>") -> Prefer
     sides = {name: row.get(name) for name in SIDES}
     for name, value in sides.items():
         if value is None:
-            raise BadRowError(f"{location}: no {name!r} (keys: {sorted(row)}); {_LAYOUTS}: {_FIX}")
+            raise BadRowError(f"{location}: no {name!r} (keys: {sorted(row)}); {_LAYOUTS}: {FIX}")
     for name, value in sides.items():
         if not isinstance(value, (str, list)):
             raise DataError(f"{location}: {name!r} is a {type(value).__name__}; {_LAYOUTS}")
         if not value:
-            raise BadRowError(f"{location}: {name!r} is empty; both responses need content: {_FIX}")
+            raise BadRowError(f"{location}: {name!r} is empty; both responses need content: {FIX}")
     chosen, rejected = sides["chosen"], sides["rejected"]
     prompt = row.get("prompt")
     if prompt is None:
@@ -113,13 +122,13 @@ def parse_preference_row(row: dict[str, Any], location: str = "<row>") -> Prefer
                 f"{location}: string 'chosen'/'rejected' need a 'prompt' string (keys: {sorted(row)}); {_LAYOUTS}"
             )
         if chosen == rejected:
-            raise BadRowError(f"{location}: 'chosen' and 'rejected' are identical: nothing to prefer: {_FIX}")
+            raise BadRowError(f"{location}: 'chosen' and 'rejected' are identical: nothing to prefer: {FIX}")
         common = _common_prefix(chosen, rejected)
         for name, messages in (("chosen", chosen), ("rejected", rejected)):
             if len(messages) == common:
                 raise BadRowError(
                     f"{location}: {name!r} adds no message after the prompt (the messages it shares with the other "
-                    f"side); each side needs a response: {_FIX}"
+                    f"side); each side needs a response: {FIX}"
                 )
         return PreferenceRow(chosen[:common], chosen[common:], rejected[common:], tools)
     if isinstance(prompt, str):
@@ -190,7 +199,7 @@ class PreferenceTokenizeFn(TokenizeFn):
             if problem is None:
                 out[i] = [chosen, rejected]
             else:
-                bad[i] = BadRowError(f"{locate(i)}: {problem}: {_FIX}")
+                bad[i] = BadRowError(f"{locate(i)}: {problem}: {FIX}")
         if bad and self.bad_rows == "error":
             raise bad[min(bad)]
         return out

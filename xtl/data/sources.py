@@ -21,7 +21,7 @@ from xtl.data.item import DataError, DataFileNotFoundError
 from xtl.utils import atomic_write_bytes
 
 SourceFormat = Literal["auto", "jsonl", "hf_disk", "parquet", "json"]
-SourceKind = Literal["chat", "text", "preference"]
+SourceKind = Literal["chat", "text", "preference", "unpaired_preference"]
 BadRowPolicy = Literal["error", "drop"]
 
 _SCAN_CHUNK = 64 << 20
@@ -37,20 +37,21 @@ class SourceSpec:
         path (str): A ``.jsonl`` file, a ``.parquet``/``.json`` file or folder of them, or a ``save_to_disk`` folder.
         kind (str): ``"chat"`` (OpenAI-style ``messages``, rendered with the chat template), ``"text"``
             (pretraining ``{"text": ...}``) or ``"preference"`` (pairs of a chosen and a rejected response to one
-            prompt, :mod:`xtl.data.preference`: every row yields two samples, chosen then rejected).
+            prompt, :mod:`xtl.data.preference`: every row yields two samples, chosen then rejected) or
+            ``"unpaired_preference"`` (one response labeled desirable or not, for KTO, :mod:`xtl.data.unpaired`).
         format (str): ``"auto"`` (from the suffix / folder contents), ``"jsonl"``, ``"hf_disk"``, ``"parquet"``,
             ``"json"``.
         sample_ratio (float): Share of this source in the mix: 2.0 repeats every sample twice, 0.5 keeps a seeded
-            half. Applied to tokenized samples (after chunking); for ``kind="preference"`` to pairs.
+            half. Applied to tokenized samples (after chunking); for the preference kinds to rows.
         name (str | None): Display name; defaults to the file stem.
         split (str | None): Split to use when ``path`` holds a ``DatasetDict``.
         text_key (str): Field holding the text for ``kind="text"``.
         messages_key (str): Field holding the messages for ``kind="chat"``.
         chunk_size (int | None): ``kind="text"`` only: split documents longer than this many tokens.
         chunk_overlap (int): Tokens repeated (as unsupervised context) at the start of each continuation chunk.
-        bad_rows (str): ``kind="preference"`` only: a row that cannot form a pair (a missing or empty side, chosen
-            identical to rejected, a response without a supervised token) raises ``DataError`` naming its
-            ``file:line`` (``"error"``, the default) or is skipped and counted (``"drop"``).
+        bad_rows (str): ``kind="preference"`` and ``"unpaired_preference"`` only: a row that cannot be used (a
+            missing or empty side, chosen identical to rejected, a response without a supervised token) raises
+            ``DataError`` naming its ``file:line`` (``"error"``, the default) or is skipped and counted (``"drop"``).
     """
 
     path: str

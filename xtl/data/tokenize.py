@@ -29,6 +29,8 @@ from xtl.data.templates import HF_TEMPLATE, ChatTemplate, Rendered, get_template
 
 Locator = Callable[[int], str]
 SampleArrays = tuple[np.ndarray, np.ndarray]
+# A sample may carry a third element, a small integer tag stored per sample (``tags.npy`` of the cache; the label of
+# an unpaired preference row): ``(ids, mask, tag)``.
 
 _GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
@@ -38,7 +40,12 @@ class TokenizeFn(ABC):
 
     Args:
         tokenizer (PreTrainedTokenizerBase): A fast (Rust-backed) Hugging Face tokenizer.
+
+    Attributes:
+        tagged (bool): Whether the samples carry a tag (``(ids, mask, tag)``), stored with the cache.
     """
+
+    tagged: bool = False
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
         backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -98,7 +105,7 @@ class TokenizeFn(ABC):
         Returns:
             list[list[DataItem]]: The samples of every row.
         """
-        return [[arrays_to_item(ids, mask) for ids, mask in samples] for samples in self.batch_arrays(rows, locate)]
+        return [[arrays_to_item(s[0], s[1]) for s in samples] for samples in self.batch_arrays(rows, locate)]
 
     @abstractmethod
     def batch_arrays(self, rows: list[dict[str, Any] | None], locate: Locator) -> list[list[SampleArrays]]:

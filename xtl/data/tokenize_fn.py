@@ -1,5 +1,5 @@
 """The tokenize function of a source kind: ``text`` (pretraining), ``chat`` (messages), ``vlm_chat`` (images) or
-``preference`` (chosen/rejected pairs).
+``preference`` (chosen/rejected pairs) or ``unpaired_preference`` (labeled responses, KTO).
 
 A module of its own so that the text tokenize functions (:mod:`xtl.data.tokenize`) and the vision one
 (:mod:`xtl.data.multimodal`, built on them) stay below the one place that chooses between them.
@@ -15,6 +15,7 @@ from xtl.data.item import DataError
 from xtl.data.multimodal import ImageProcessorConfig, VisionChatTokenizeFn
 from xtl.data.preference import PREFERENCE_KIND, PreferenceTokenizeFn
 from xtl.data.tokenize import ChatTokenizeFn, PretrainTokenizeFn, TokenizeFn
+from xtl.data.unpaired import UNPAIRED_KIND, UnpairedPreferenceTokenizeFn
 
 
 def build_tokenize_fn(
@@ -34,7 +35,8 @@ def build_tokenize_fn(
     """Build the tokenize function for a source kind.
 
     Args:
-        kind (str): ``"chat"``, ``"text"``, ``"vlm_chat"`` (chat with image content parts) or ``"preference"``.
+        kind (str): ``"chat"``, ``"text"``, ``"vlm_chat"`` (chat with image content parts),
+            ``"preference"`` or ``"unpaired_preference"``.
         tokenizer (PreTrainedTokenizerBase): Fast tokenizer.
         template (str): Chat template name (chat and preference).
         text_key (str): Text field (text only).
@@ -45,7 +47,8 @@ def build_tokenize_fn(
         eos_token (str | None): EOS override (text only).
         image_processor (Any): ``vlm_chat`` only: :class:`xtl.data.multimodal.ImageProcessorConfig` (or its fields).
         image_root (str | None): ``vlm_chat`` only: folder of relative image paths (default: the JSONL's folder).
-        bad_rows (str): ``preference`` only: ``"error"`` or ``"drop"`` for rows that cannot form a pair.
+        bad_rows (str): ``preference`` and ``unpaired_preference`` only: ``"error"`` or ``"drop"`` for rows that
+            cannot be used.
 
     Returns:
         TokenizeFn: The function.
@@ -73,7 +76,14 @@ def build_tokenize_fn(
             template_kwargs=template_kwargs,
             bad_rows=bad_rows,  # type: ignore[arg-type]
         )
+    if kind == UNPAIRED_KIND:
+        return UnpairedPreferenceTokenizeFn(
+            tokenizer,
+            template=template,
+            template_kwargs=template_kwargs,
+            bad_rows=bad_rows,  # type: ignore[arg-type]
+        )
     raise DataError(
         f"unknown source kind {kind!r}; use 'chat' (messages), 'text' (pretraining), 'preference' (chosen/rejected "
-        "pairs) or 'vlm_chat'"
+        "pairs), 'unpaired_preference' (responses labeled good or bad) or 'vlm_chat'"
     )
