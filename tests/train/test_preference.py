@@ -7,6 +7,7 @@ The TRL parity of the losses is in ``test_preference_trl.py``; the runs through 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from types import SimpleNamespace
 
@@ -14,13 +15,14 @@ import numpy as np
 import pytest
 import torch
 
-from xtl.data import Pack, XTLDataModule, collate_pack
+from xtl.data import MicroBatch, Pack, SourceSpec, XTLDataModule, collate_pack
 from xtl.data.packing import PackPlan
 from xtl.data.sources import FileHashMemo
 from xtl.errors import ConfigError
 from xtl.module.lora import adapters_disabled, add_lora
 from xtl.train import PreferenceLoss, PreferenceModule
 from xtl.train.preference import pair_count, sequence_logps
+from xtl.train.preference_loss import SequenceLogps
 from xtl.train.reference_cache import (
     ReferenceTable,
     compute_reference_table,
@@ -330,8 +332,72 @@ class TestRefusals:
             ({"beta": 0.0}, "beta must be > 0"),
             ({"label_smoothing": 0.5}, r"label_smoothing must be in \[0, 0.5\)"),
             ({"loss_type": "ipo", "label_smoothing": 0.1}, "label_smoothing applies to sigmoid, robust and simpo"),
+            ({"loss_type": "kto", "rpo_alpha": 0.5}, "rpo_alpha applies to paired losses, not kto"),
+            ({"loss_type": "kto", "undesirable_weight": 0.0}, "undesirable_weight must be > 0"),
+            ({"desirable_weight": 2.0}, "desirable_weight applies to kto and apo_zero_unpaired, not sigmoid"),
         ],
     )
     def test_bad_settings(self, kwargs, message):
         with pytest.raises(ConfigError, match=message):
             PreferenceLoss(**kwargs)
+
+
+def _unpaired(lengths: list[int], labels: list[int], seed: int = 0) -> MicroBatch:
+    """A pack of rows (own, mismatched document of each) carrying ``labels``."""
+    mb = _pairs(lengths, seed)
+    return dataclasses.replace(mb, doc_tags=tuple(t for label in labels for t in (label, label)))
+
+
+class TestUnpaired:
+    def test_kto_terms_by_label(self):
+        """Rewards and losses follow each row's label; the reference point is the mean of the mismatched
+        log-ratios, clamped at 0; the metric means divide by the desirable and undesirable counts."""
+        own, other = torch.tensor([-3.0, -5.0, -2.0]), torch.tensor([-4.0, -6.0, -1.0])
+        tokens = torch.ones(3)
+        policy = SequenceLogps(own, other, tokens, tokens)
+        reference = SequenceLogps(
+            own - torch.tensor([1.0, -2.0, 0.5]), other - torch.tensor([0.3, 0.6, -0.3]), tokens, tokens
+        )
+        objective = PreferenceLoss("kto", beta=0.5, desirable_weight=2.0)
+        kl = objective.kl_point(policy, reference)
+        assert kl.item() == pytest.approx(0.2)
+        labels = torch.tensor([True, False, True])
+        terms = objective.terms(policy, reference, torch.zeros(()), labels, kl)
+        ratio = torch.tensor([1.0, -2.0, 0.5])
+        losses = [2 * (1 - torch.sigmoid(0.5 * (ratio[0] - 0.2))), 1 - torch.sigmoid(0.5 * (0.2 - ratio[1])),
+                  2 * (1 - torch.sigmoid(0.5 * (ratio[2] - 0.2)))]  # fmt: skip
+        assert terms.loss_sum.item() == pytest.approx(sum(losses).item())
+        means = objective.metric_means(terms.metric_sums, torch.tensor(3.0))
+        assert means["rewards/chosen"].item() == pytest.approx(0.5 * (1.0 + 0.5) / 2)
+        assert means["rewards/rejected"].item() == pytest.approx(0.5 * -2.0)
+        assert means["rewards/margins"].item() == pytest.approx(0.375 + 1.0)
+        assert means["logps/rejected"].item() == pytest.approx(-5.0) and means["kl"].item() == pytest.approx(0.2)
+        below = SequenceLogps(own, other, tokens, tokens)  # the policy below the reference: the point is 0
+        assert objective.kl_point(below, SequenceLogps(own, other + 1, tokens, tokens)).item() == 0
+
+    def test_step_zero_loss_is_one_half(self):
+        module = _module(objective=PreferenceLoss("kto", beta=0.1))
+        _, terms, _ = module._pair_terms(_unpaired([9, 7, 12, 10], [1, 0]))
+        assert terms.loss_sum.item() == pytest.approx(2 * 0.5)  # policy == reference: 1 - sigmoid(0) per row
+        assert terms.metric_sums["count/chosen"].item() == terms.metric_sums["count/rejected"].item() == 1
+
+    def test_the_data_kind_must_match_the_objective(self):
+        module = _module(objective=PreferenceLoss("kto"))
+        with pytest.raises(ConfigError, match="loss_type: kto trains on rows labeled desirable or not"):
+            module._pair_terms(_pairs([9, 7]))
+        with pytest.raises(ConfigError, match="loss_type: sigmoid trains on chosen/rejected pairs"):
+            _module()._pair_terms(_unpaired([9, 7], [1]))
+
+    def test_setup_refuses_sets_of_the_other_kind(self, tmp_path):
+        module = PreferenceModule(MODEL, objective=PreferenceLoss("kto"))
+        data = XTLDataModule(
+            sources=[SourceSpec("tiny:kto_train.jsonl", kind="unpaired_preference")],
+            val_sources={"held_out": [SourceSpec("tiny:preference_eval.jsonl", kind="preference")]},
+            tokenizer="tiny:",
+            cache_dir=str(tmp_path),
+        )
+        with pytest.raises(ConfigError, match="data.val_sources.held_out has kind: preference"):
+            module._check_data_kinds(data)
+        PreferenceModule(MODEL)._check_data_kinds(  # a DPO run on pairs
+            XTLDataModule(sources=[SourceSpec("tiny:preference_train.jsonl", kind="preference")], tokenizer="tiny:")
+        )

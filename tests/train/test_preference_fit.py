@@ -1,7 +1,8 @@
-"""Preference optimization through ``xtl fit`` (``configs/tiny_dpo.yaml`` with a tiny random model): FSDP on 2 ranks
-equals one process, LoRA trains against its adapters-off reference, MoE with expert parallelism, activation
-checkpointing and a precomputed reference resumes exactly, and precomputed reference log-probabilities equal the live
-reference's (one process, 2 FSDP ranks), are read back by later runs and resume exactly."""
+"""Preference optimization through ``xtl fit`` (``configs/tiny_dpo.yaml`` and ``configs/tiny_kto.yaml`` with a tiny
+random model): FSDP on 2 ranks equals one process (DPO, KTO), context parallelism 2 equals one process (KTO), LoRA
+trains against its adapters-off reference, MoE with expert parallelism, activation checkpointing and a precomputed
+reference resumes exactly, and precomputed reference log-probabilities equal the live reference's (one process, 2 FSDP
+ranks), are read back by later runs and resume exactly."""
 
 from __future__ import annotations
 
@@ -27,6 +28,9 @@ MOE = {
     "moe_intermediate_size": 16,
 }
 LOGGED = ("train/loss", "train/rewards/accuracies", "train/rewards/margins", "train/logps/chosen")
+KTO_LOGGED = ("train/loss", "train/kl", "train/rewards/chosen", "train/rewards/rejected", "train/logps/rejected")
+DPO = ("tiny_dpo.yaml", "{loss_type: sigmoid, beta: 0.1, rpo_alpha: 0.5}")
+KTO = ("tiny_kto.yaml", "{loss_type: kto, beta: 0.1, desirable_weight: 1.2}")
 FSDP = (
     "trainer:\n  devices: 2\n  precision: 32-true\n  strategy:\n    class_path: xtl.strategies.FSDPStrategy\n"
     "    init_args:\n"
@@ -34,18 +38,24 @@ FSDP = (
 )
 # fp32; 2 ranks x 2 micro-batches vs 1 x 4: the same pairs, only the order of sums differs
 RTOL = 1e-5
+# KTO's rewards are means over the rows of one label of beta times a difference of two fp32 log-probabilities of
+# about -40 (ulp 4e-6): near 0 they are compared within a few ulps times beta
+KTO_ATOL = 1e-6
 
 
-def _fit(work: Path, cache: Path, model: dict, *extra: str, fragment: str = "") -> tuple[dict[int, dict], str]:
-    """``xtl fit`` of the tiny DPO recipe with ``model`` in ``work``; the logged rows by step and the output."""
+def _fit(
+    work: Path, cache: Path, model: dict, *extra: str, fragment: str = "", recipe: tuple[str, str] = DPO
+) -> tuple[dict[int, dict], str]:
+    """``xtl fit`` of a tiny preference recipe (:data:`DPO`: the recipe and its objective) with ``model`` in ``work``;
+    the logged rows by step and the output."""
     work.mkdir(parents=True, exist_ok=True)
     override = work / "override.yaml"
     override.write_text(
-        f"model:\n  init_args:\n    model: {model}\n    objective: {{loss_type: sigmoid, beta: 0.1, rpo_alpha: 0.5}}\n"
+        f"model:\n  init_args:\n    model: {model}\n    objective: {recipe[1]}\n"
         "trainer:\n  precision: 32-true\n  val_check_interval: null\n  enable_progress_bar: false\n"
         "  num_sanity_val_steps: 0\n  callbacks: []\ndata:\n  val_sources: null\n  pack_max_length: 128\n"
     )
-    args = [sys.executable, "-m", "xtl", "fit", "--config", str(ROOT / "configs/tiny_dpo.yaml"), "--config"]
+    args = [sys.executable, "-m", "xtl", "fit", "--config", str(ROOT / "configs" / recipe[0]), "--config"]
     args += [str(override), "--data.cache_dir", str(cache), "--trainer.max_steps", "3"]
     if fragment:  # a file of its own: a second ``trainer:`` key in one YAML file would replace the first
         (work / "fragment.yaml").write_text(fragment)
@@ -56,17 +66,24 @@ def _fit(work: Path, cache: Path, model: dict, *extra: str, fragment: str = "") 
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "Traceback" not in proc.stderr
     rows: dict[int, dict] = {}
-    for metrics in sorted(work.glob("runs/tiny_dpo/logs/version_*/metrics.csv")):
+    for metrics in sorted(work.glob("runs/*/logs/version_*/metrics.csv")):
         for row in csv.DictReader(metrics.open()):
             if row.get("train/loss"):
                 rows[int(row["step"])] = {k: float(v) for k, v in row.items() if v}
     return rows, proc.stdout + proc.stderr
 
 
-def _close(got: dict[int, dict], want: dict[int, dict], steps: range, rel: float = RTOL) -> None:
+def _close(
+    got: dict[int, dict],
+    want: dict[int, dict],
+    steps: range,
+    rel: float = RTOL,
+    keys: tuple[str, ...] = LOGGED,
+    abs_: float = 1e-7,
+) -> None:
     for step in steps:
-        for key in LOGGED:
-            assert got[step][key] == pytest.approx(want[step][key], rel=rel, abs=1e-7), (step, key)
+        for key in keys:
+            assert got[step][key] == pytest.approx(want[step][key], rel=rel, abs=abs_), (step, key)
 
 
 def _small_pairs(tmp_path: Path) -> list[str]:
@@ -120,15 +137,6 @@ class TestPreferenceFit:
         _close(sharded, one_process, range(3))
         assert one_process[0]["train/rewards/margins"] == 0, "step 0: the policy is its reference"
         assert one_process[2]["train/rewards/margins"] != 0
-
-    def test_context_parallel_two_ranks_equal_one_process(self, tmp_path, data_cache, one_process):
-        """CP 2: each response's log-probability is summed over the two shares of its pack (documents cross the cut);
-        the same losses and reward metrics as one process reading the same packs."""
-        fragment = FSDP.format(extra="      context_parallel_size: 2\n")
-        split, _ = _fit(
-            tmp_path / "cp", data_cache, TINY_MODEL, "--data.micro_batches_per_step", "4", fragment=fragment
-        )
-        _close(split, one_process, range(3))
 
     def test_lora_uses_the_base_model_as_reference(self, tmp_path, data_cache):
         """Under LoRA the reference is the model with its adapters off (no second copy): at step 0 (``lora_B = 0``)
@@ -207,3 +215,31 @@ class TestPreferenceFit:
         rebuilt, err = _fit(tmp_path / "rebuilt", cache, TINY_MODEL, *data, *steps, "--ckpt_path", str(ckpt))
         assert "from a copy of the starting weights, the resumed policy has moved) computed" in err
         assert [rebuilt[s]["train/loss"] for s in (2, 3)] == [full[s]["train/loss"] for s in (2, 3)]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+class TestKTOFit:
+    @pytest.fixture(scope="class")
+    def one_process(self, tmp_path_factory, data_cache) -> dict[int, dict]:
+        """KTO (desirable rows weighted 1.2), 3 steps on one process, 4 packs per step."""
+        work = tmp_path_factory.mktemp("kto_one")
+        return _fit(work, data_cache, TINY_MODEL, "--data.micro_batches_per_step", "4", recipe=KTO)[0]
+
+    def test_fsdp_on_two_ranks_equals_one_process(self, tmp_path, data_cache, one_process):
+        """Each micro-batch's KL reference point is its own estimate, so 2 FSDP ranks x 2 micro-batches give the
+        losses and metrics of one process reading the same 4 packs."""
+        two = ["--data.micro_batches_per_step", "2"]
+        sharded, err = _fit(tmp_path, data_cache, TINY_MODEL, *two, fragment=FSDP.format(extra=""), recipe=KTO)
+        assert "loss kto (beta 0.1), reference: live" in err
+        _close(sharded, one_process, range(3), keys=KTO_LOGGED, abs_=KTO_ATOL)
+        assert one_process[0]["train/kl"] == 0 and one_process[0]["train/rewards/chosen"] == 0
+        assert one_process[2]["train/kl"] > 0, "the reference point moved off 0 (the clamp did not hide it)"
+
+    def test_context_parallel_two_ranks_equal_one_process(self, tmp_path, data_cache, one_process):
+        """CP 2: the labels reach both shares, and each completion's log-probability (own and mismatched) is summed
+        over the two shares of its pack (documents cross the cut): the losses and metrics of one process."""
+        fragment = FSDP.format(extra="      context_parallel_size: 2\n")
+        four = ["--data.micro_batches_per_step", "4"]
+        split, _ = _fit(tmp_path, data_cache, TINY_MODEL, *four, fragment=fragment, recipe=KTO)
+        _close(split, one_process, range(3), keys=KTO_LOGGED, abs_=KTO_ATOL)

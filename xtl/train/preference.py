@@ -9,6 +9,12 @@ no second copy), or from a table computed once before training and cached with t
 :mod:`xtl.train.reference_cache`); SimPO and ORPO need none. The loss (:mod:`xtl.train.preference_loss`) is
 normalized over the pairs (and, for its NLL term, the chosen tokens) of the whole step, over micro-batches and
 data-parallel ranks.
+
+KTO trains on unpaired data (``kind: unpaired_preference``, :mod:`xtl.data.unpaired`): each "pair" is a row's own
+completion and a mismatched completion, the documents carry the rows' labels (``MicroBatch.doc_tags``), and the
+mismatched completions' log-probabilities give the KL reference point of each micro-batch. TRL estimates it per batch
+and averages it over processes; xtl keeps the estimate of each micro-batch (a pack of many rows), so that a run's
+losses do not depend on how its packs are spread over data-parallel ranks.
 """
 
 from __future__ import annotations
@@ -31,13 +37,15 @@ from xtl.batch import ModelOutput
 from xtl.data.collate import MicroBatch
 from xtl.data.datamodule import PackedSplit, XTLDataModule
 from xtl.data.item import IGNORE_INDEX
+from xtl.data.preference import PREFERENCE_KIND
 from xtl.data.sources import FileHashMemo
+from xtl.data.unpaired import UNPAIRED_KIND
 from xtl.errors import ConfigError
 from xtl.model import BaseModel
 from xtl.module.lora import adapters_disabled, lora_layers
 from xtl.strategies.parallelize import TransformStage, WeightSource
 from xtl.train.base import LanguageModule
-from xtl.train.preference_loss import METRICS, PairTerms, PreferenceLoss, SequenceLogps
+from xtl.train.preference_loss import UNPAIRED, PairTerms, PreferenceLoss, SequenceLogps
 from xtl.train.reference_cache import (
     ReferenceForward,
     ReferenceTable,
@@ -98,11 +106,13 @@ def sequence_logps(
 
 
 class PreferenceModule(LanguageModule):
-    """Trains an xtl model of any family on preference pairs (DPO, IPO, hinge, robust, SimPO, ORPO).
+    """Trains an xtl model of any family on preference pairs (DPO, IPO, hinge, robust, SimPO, ORPO) or on unpaired
+    labeled completions (KTO, unpaired APO-zero).
 
     Logged on train and validation, with TRL's names: ``rewards/chosen``, ``rewards/rejected``,
     ``rewards/accuracies``, ``rewards/margins``, ``logps/chosen``, ``logps/rejected`` (means over pairs) and the
-    loss.
+    loss; for KTO, ``rewards/...`` and ``logps/...`` over the desirable (``chosen``) and undesirable (``rejected``)
+    rows, ``rewards/margins`` and ``kl`` (no ``rewards/accuracies``).
 
     Args:
         model: As :class:`~xtl.train.LanguageModule` (typically the SFT run's HF export).
@@ -116,8 +126,9 @@ class PreferenceModule(LanguageModule):
         **kwargs: The other arguments of :class:`~xtl.train.LanguageModule`.
 
     Raises:
-        ConfigError: A reference mode the loss or the run cannot use; context parallelism (pairs are summed per
-            document on one rank); ``precomputed`` without an :class:`~xtl.data.XTLDataModule`.
+        ConfigError: A reference mode the loss or the run cannot use; ``precomputed`` with context parallelism or
+            without an :class:`~xtl.data.XTLDataModule`; data of the other kind (pairs for KTO, unpaired rows for
+            a paired loss).
     """
 
     def __init__(
@@ -201,13 +212,17 @@ class PreferenceModule(LanguageModule):
         return "adapters_off" if lora else "live"
 
     def setup(self, stage: str) -> None:
-        """Refuse precomputed references under context parallelism (the one pass forwards whole packs per rank)."""
+        """Refuse precomputed references under context parallelism (the one pass forwards whole packs per rank), and
+        data of the kind the objective does not train on."""
         super().setup(stage)
         if self.parallelizer.layout.cp > 1 and self.reference_mode == "precomputed":
             raise ConfigError(
                 "model.init_args.reference: precomputed computes whole packs on each data-parallel rank; with "
                 "trainer.strategy.init_args.context_parallel_size > 1 use reference: live (or adapters_off)"
             )
+        datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+        if isinstance(datamodule, XTLDataModule):
+            self._check_data_kinds(datamodule)
 
     # ---- training --------------------------------------------------------------------------------------------
 
@@ -231,9 +246,10 @@ class PreferenceModule(LanguageModule):
             return ModelOutput(loss_sum=loss_sum, num_tokens=None, extras=output.extras)
 
         result = self.optimizer_step_over(batch, forward, pair_count)
-        metrics = self._sum_over_data_ranks(torch.stack([sum(s[k] for s in sums) for k in METRICS]))
-        metrics = metrics / result.global_tokens.clamp(min=1)
-        self.log_step_metrics({f"train/{k}": v for k, v in zip(METRICS, metrics)})
+        keys = self.objective.metric_sums
+        totals = self._sum_over_data_ranks(torch.stack([sum(s[k] for s in sums) for k in keys]))
+        means = self.objective.metric_means(dict(zip(keys, totals)), result.global_tokens)
+        self.log_step_metrics({f"train/{k}": v for k, v in means.items()})
         return result.loss_sum / result.global_tokens.clamp(min=1)
 
     # ---- validation ------------------------------------------------------------------------------------------
@@ -253,7 +269,7 @@ class PreferenceModule(LanguageModule):
                 loss = terms.loss_sum + self.objective.nll_weight * nll * pair_count(mb)
                 metrics["loss"].update(loss.detach())
                 metrics["pairs"].update(torch.tensor(float(pair_count(mb)), device=self.device))
-                for key in METRICS:
+                for key in self.objective.metric_sums:
                     metrics[key].update(terms.metric_sums[key])
         for metric in metrics.values():  # a rank without pairs still joins the sync
             metric.update(torch.zeros((), device=self.device))
@@ -265,8 +281,9 @@ class PreferenceModule(LanguageModule):
             pairs = values.pop("pairs").clamp(min=1)
             name = self._set_name("val", int(key))
             prefix = "val" if key == "0" and len(self._val_metrics) == 1 else f"val/{name}"
-            for metric_name, total in values.items():
-                self.log(f"{prefix}/{metric_name}", total / pairs, sync_dist=False, prog_bar=metric_name == "loss")
+            means = {"loss": values["loss"] / pairs, **self.objective.metric_means(values, pairs)}
+            for metric_name, value in means.items():
+                self.log(f"{prefix}/{metric_name}", value, sync_dist=False, prog_bar=metric_name == "loss")
             for metric in metrics.values():
                 metric.reset()
 
@@ -282,7 +299,10 @@ class PreferenceModule(LanguageModule):
         """The policy's output, the pair terms of one micro-batch and the policy's log-probabilities (the
         reference's without gradient; under ``precomputed``, those of ``mb.pack_index`` in the table of ``dataset``:
         ``train`` or ``val/<dataloader_idx>``). Under context parallelism the log-probabilities are the whole
-        pack's, summed over the shares."""
+        pack's, summed over the shares. KTO's KL reference point is this micro-batch's estimate."""
+        unpaired = self.objective.unpaired
+        if unpaired != (mb.doc_tags is not None):
+            raise ConfigError(_kind_mismatch(self.objective.loss_type, "this micro-batch's"))
         group = self.parallelizer.meshes.cp_group()
         output = self.model(seq_ctx=mb.seq_ctx, labels=mb.labels, return_logits=False, return_token_losses=True)
         policy, nll_sum = sequence_logps(output, mb, group)
@@ -304,7 +324,11 @@ class PreferenceModule(LanguageModule):
                         ref_out = self.model(seq_ctx=mb.seq_ctx, labels=mb.labels, return_logits=False,
                                              return_token_losses=True)  # fmt: skip
                 reference, _ = sequence_logps(ref_out, mb, group)
-        return output, self.objective.terms(policy, reference, nll_sum), policy
+        if not unpaired:
+            return output, self.objective.terms(policy, reference, nll_sum), policy
+        labels = torch.tensor(mb.doc_tags[0 : 2 * pair_count(mb) : 2], dtype=torch.bool, device=self.device)
+        kl = self.objective.kl_point(policy, reference) if self.objective.loss_type == "kto" else None
+        return output, self.objective.terms(policy, reference, nll_sum, labels, kl), policy
 
     def _prepare_reference_tables(self) -> None:
         """``reference: precomputed``: read or compute the reference table of every preference set of the run.
@@ -453,13 +477,23 @@ class PreferenceModule(LanguageModule):
                 if self.device.type == "cuda":
                     torch.cuda.empty_cache()
 
+    def _check_data_kinds(self, datamodule: XTLDataModule) -> None:
+        """Refuse sets of the kind the objective does not train on (a chat set, pairs for KTO, rows for DPO)."""
+        want = UNPAIRED_KIND if self.objective.unpaired else PREFERENCE_KIND
+        sets = [("data.sources", datamodule.sources)]
+        sets += [(f"data.val_sources.{name}", specs) for name, specs in datamodule.val_sources.items()]
+        for key, specs in sets:
+            other = sorted({spec.kind for spec in specs} - {want})
+            if other:
+                raise ConfigError(_kind_mismatch(self.objective.loss_type, f"{key} has kind: {other[0]};"))
+
     def _reference_set_name(self, name: str) -> str:
         return name if name == TRAIN_SET else f"val set {self._set_name('val', int(name.split('/')[1]))}"
 
     def _preference_metrics(self, sets: nn.ModuleDict, dataloader_idx: int) -> nn.ModuleDict:
         key = str(dataloader_idx)
         if key not in sets:
-            names = ("loss", "pairs", *METRICS)
+            names = ("loss", "pairs", *self.objective.metric_sums)
             sets[key] = nn.ModuleDict({n: torchmetrics.SumMetric().to(self.device) for n in names})
         return sets[key]
 
@@ -486,6 +520,20 @@ class _AllReduceSum(torch.autograd.Function):
         grad = grad.contiguous().clone()
         dist.all_reduce(grad, group=ctx.group)
         return grad, None
+
+
+def _kind_mismatch(loss_type: str, found: str) -> str:
+    """The message for data of the wrong kind for ``loss_type``."""
+    if loss_type in UNPAIRED:
+        return (
+            f"model.init_args.objective.loss_type: {loss_type} trains on rows labeled desirable or not "
+            f"(kind: {UNPAIRED_KIND}); {found} data: set kind: {UNPAIRED_KIND} on the sources (preference pairs are "
+            "unpaired: chosen desirable, rejected not)"
+        )
+    return (
+        f"model.init_args.objective.loss_type: {loss_type} trains on chosen/rejected pairs (kind: {PREFERENCE_KIND}); "
+        f"{found} data: set kind: {PREFERENCE_KIND} on the sources, or use loss_type: kto for labeled rows"
+    )
 
 
 def _chosen_tokens(batch: MicroBatch) -> int:
