@@ -34,6 +34,11 @@ class XTLCLI(LightningCLI):
     """LightningCLI with xtl's module base (``class_path`` picks the family) and data module."""
 
     def __init__(self, args: list[str] | None = None, run: bool = True) -> None:
+        words = sys.argv[1:] if args is None else args
+        every = LightningCLI.subcommands()
+        # the parser of the subcommand that runs only: each one is the Trainer's, the model's and the data's whole
+        # signature (half a second apiece); another name (a typo, --help) gets them all, to list them
+        self._only = words[0] if words and words[0] in every else None
         super().__init__(
             LanguageModule,
             XTLDataModule,
@@ -46,6 +51,12 @@ class XTLCLI(LightningCLI):
             args=args,
             run=run,
         )
+
+    def subcommands(self) -> dict[str, set[str]]:  # type: ignore[override]
+        """Lightning's subcommands, only the one that runs when the command line names one."""
+        every = LightningCLI.subcommands()
+        only = getattr(self, "_only", None)
+        return {only: every[only]} if only else every
 
     def before_instantiate_classes(self) -> None:
         """Lay the run out in ``trainer.default_root_dir`` (:mod:`xtl.run_layout`), check the accelerator exists,
