@@ -115,6 +115,9 @@ def _check_feature_acts(cell: Cell, result: dict, plain: dict) -> None:
     elif name == "dpo":  # step 0: the policy is its reference, every margin 0, the loss log 2
         assert math.isclose(float(result["losses"]["0"]), math.log(2), rel_tol=1e-6), result["losses"]
         assert {"train/rewards/accuracies", "train/rewards/margins", "train/logps/chosen"} <= set(result["logged"])
+    elif name == "kto":  # step 0: every reward and the reference point 0, each row's loss 1 - sigmoid(0)
+        assert math.isclose(float(result["losses"]["0"]), 0.5, rel_tol=1e-6), result["losses"]
+        assert {"train/kl", "train/rewards/chosen", "train/rewards/rejected"} <= set(result["logged"])
     elif name == "hf_export":
         files = set(probe["files"])
         assert "hf/final/config.json" in files and any(f.endswith(".safetensors") for f in files), files

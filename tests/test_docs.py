@@ -10,7 +10,8 @@ environment the suite already runs in, and are skipped.
 Stand-ins (:class:`StandIns`): a tiny HF model directory for ``path/to/hf_model`` and ``/models/...``, the tiny SFT
 set for ``/data/sft.jsonl``, tiny bf16 / fp8 / extra-tensor checkpoints for the ``xtl convert`` examples, a prompt
 file; ``xtl fit`` gets a shared data cache and 2 steps (an explicit ``--trainer.max_steps`` becomes 4: an
-extension of the 2-step run), and the Qwen3-8B parity example runs on Qwen3-0.6B cut to one layer.
+extension of the 2-step run), every run packs of :data:`PACK` tokens, and the Qwen3-8B parity example runs on
+Qwen3-0.6B cut to one layer.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ LINKED = ("configs", "callbacks")
 # a second rank is started by Lightning re-running the command line: these commands run as a process of their own
 OWN_PROCESS = ("tiny_moe_ep.yaml", "--trainer.devices 2")
 NO_GPU = "no usable GPU"
+PACK = 128  # the packs of a documented run (the tiny recipes' 512 makes fp8 on CPU, an emulated matmul, slow)
 # what the tool examples write where their command says (beside the run folders)
 OUTPUTS = ("fp8_ckpt", "ckpt_hf", "merged", "merged_linked")
 
@@ -125,6 +127,8 @@ class StandIns:
         args = words[1:]
         if args and args[0] in ("fit", "validate", "test", "predict"):
             args += ["--data.cache_dir", str(self.cache)]
+            if "--data.pack_max_length" not in args:
+                args += ["--data.pack_max_length", str(PACK)]
         if args and args[0] == "fit":
             if "--trainer.max_steps" in args:
                 args[args.index("--trainer.max_steps") + 1] = "4"

@@ -17,16 +17,16 @@ ROOT = Path(__file__).resolve().parents[2]
 STEPS = 2
 
 _TEXT = dict(
-    vocab_size=1600, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=32, max_position_embeddings=512, tie_word_embeddings=True, attn_impl="sdpa",
+    vocab_size=1600, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, max_position_embeddings=512, tie_word_embeddings=True, attn_impl="sdpa",
 )  # fmt: skip
 _VISION = dict(
     depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=8, spatial_merge_size=2,
-    temporal_patch_size=2, out_hidden_size=128, num_position_embeddings=64, deepstack_visual_indexes=[1],
+    temporal_patch_size=2, out_hidden_size=64, num_position_embeddings=64, deepstack_visual_indexes=[1],
 )  # fmt: skip
 _VL_TOKENS = dict(image_token_id=1544, vision_start_token_id=1542, vision_end_token_id=1543, video_token_id=1545)
 _MROPE = {
-    "rope_type": "default", "rope_theta": 10000.0, "params": {"mrope_section": [8, 4, 4], "mrope_interleaved": True}
+    "rope_type": "default", "rope_theta": 10000.0, "params": {"mrope_section": [4, 2, 2], "mrope_interleaved": True}
 }  # fmt: skip
 
 
@@ -134,7 +134,8 @@ class Feature:
         claim: ``bitwise``: every step's loss equals the plain run's; ``first_step``: the first loss equals the
             plain run's (the feature changes the update, not the initial model); ``close``: the first loss is
             within :data:`CLOSE_RTOL` of the plain run's (the feature changes the numerics); ``objective``: another
-            training objective, held to its own first-step value (DPO: ``log 2``, the policy is its reference).
+            training objective, held to its own first-step value (the policy is its reference: DPO ``log 2``,
+            KTO 0.5).
         what: Description for the docs.
     """
 
@@ -180,6 +181,15 @@ FEATURES = (
         "data:\n  sources: [{path: tiny:preference_train.jsonl, kind: preference}]\n",
         "objective",
         "preference optimization (DPO, live reference sharded like the policy) on the tiny preference pairs",
+    ),
+    Feature(
+        "kto",
+        (),
+        "model:\n  class_path: xtl.train.PreferenceModule\n  init_args:\n"
+        "    objective: {loss_type: kto, beta: 0.1}\n"
+        "data:\n  sources: [{path: tiny:kto_train.jsonl, kind: unpaired_preference}]\n",
+        "objective",
+        "KTO (live reference) on the tiny unpaired rows (labels carried by the packs)",
     ),
 )
 

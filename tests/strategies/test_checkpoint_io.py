@@ -11,6 +11,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -18,7 +20,7 @@ import pytest
 from tests.cli.test_cli import ROOT, SMALL_MODEL, _run_main, _tiny_args
 from xtl.strategies.checkpoint_io import checkpoint_problem, recover_interrupted_replace
 
-STEPS = 30
+STEPS = 20
 EVERY_STEP = (
     "trainer:\n  val_check_interval: null\n  enable_progress_bar: false\n"
     "  logger:\n    - class_path: lightning.pytorch.loggers.CSVLogger\n"
@@ -111,21 +113,33 @@ def _setup(work: Path) -> None:
 
 @pytest.mark.slow
 class TestKillAndResume:
+    @pytest.fixture(scope="class")
+    def uninterrupted(self, tmp_path_factory, data_cache) -> Callable[[str], dict[int, str]]:
+        """``uninterrupted(strategy)``: the losses by step of the run without kills (run once per strategy)."""
+
+        @cache
+        def losses(strategy: str) -> dict[int, str]:
+            work = tmp_path_factory.mktemp(f"uninterrupted_{strategy}") / "full"
+            _setup(work)
+            proc = _start(work, data_cache, strategy)
+            assert proc.wait(timeout=600) == 0, proc.stderr.read()
+            want = dict(_losses_per_run(work)[0])
+            assert sorted(want) == list(range(STEPS))
+            return want
+
+        return losses
+
     @pytest.mark.parametrize(
-        ("strategy", "kills"), [("single", 4), pytest.param("fsdp", 2, marks=pytest.mark.distributed)]
+        ("strategy", "kills"), [("single", 3), pytest.param("fsdp", 2, marks=pytest.mark.distributed)]
     )
     def test_sigkill_at_random_moments_then_resume_logs_the_uninterrupted_losses(
-        self, strategy, kills, tmp_path, data_cache
+        self, strategy, kills, tmp_path, data_cache, uninterrupted
     ):
         """Checkpoints every step (a kill lands in a save as often as in a step); each kill comes a random time
         after a step finished; the run then resumes from ``last`` until it reaches the end."""
-        full, broken = tmp_path / "full", tmp_path / "broken"
-        for work in (full, broken):
-            _setup(work)
-        proc = _start(full, data_cache, strategy)
-        assert proc.wait(timeout=600) == 0, proc.stderr.read()
-        want = dict(_losses_per_run(full)[0])
-        assert sorted(want) == list(range(STEPS))
+        broken = tmp_path / "broken"
+        _setup(broken)
+        want = uninterrupted(strategy)
 
         rng = random.Random(0)
         checkpoints = broken / "runs/tiny_sft/checkpoints"
@@ -145,16 +159,13 @@ class TestKillAndResume:
         _check_resumed(broken, want, kills)
 
     @pytest.mark.parametrize("strategy", ["single", pytest.param("fsdp", marks=pytest.mark.distributed)])
-    def test_a_kill_inside_a_checkpoint_save_resumes_exactly(self, strategy, tmp_path, data_cache):
+    def test_a_kill_inside_a_checkpoint_save_resumes_exactly(self, strategy, tmp_path, data_cache, uninterrupted):
         """The run dies at the worst moment of its 5th save of ``last``: single process, with the new file written
         under its temporary name but not renamed; FSDP, between moving the old directory away and moving the new
         one in (``last.ckpt`` is then missing until ``--ckpt_path last`` finishes the replacement)."""
-        full, broken = tmp_path / "full", tmp_path / "broken"
-        for work in (full, broken):
-            _setup(work)
+        broken = tmp_path / "broken"
+        _setup(broken)
         (broken / "die.py").write_text(DIE_IN_SAVE)
-        proc = _start(full, data_cache, strategy)
-        assert proc.wait(timeout=600) == 0, proc.stderr.read()
         env = {**os.environ, "OMP_NUM_THREADS": "1", "KILL_AT": "5"}
         command = _command(broken, data_cache, strategy, resume=False)
         proc = subprocess.Popen(
@@ -167,7 +178,7 @@ class TestKillAndResume:
         assert not (checkpoints / "last.ckpt").exists() if strategy == "fsdp" else (checkpoints / "last.ckpt").exists()
         proc = _start(broken, data_cache, strategy)
         assert proc.wait(timeout=600) == 0, proc.stderr.read()[-3000:]
-        _check_resumed(broken, dict(_losses_per_run(full)[0]), kills=1)
+        _check_resumed(broken, uninterrupted(strategy), kills=1)
         assert not list(checkpoints.glob(".*")), "temporary and old copies are gone"
 
 
