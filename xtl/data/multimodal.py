@@ -396,7 +396,7 @@ class VisionPackedDataset:
                         "was built (the file changed); delete the cache entry to re-tokenize"
                     )
             extras = {"pixel_values": out["pixel_values"], "image_grid_thw": grid}
-        return VisionPack(pack.index, pack.input_ids, pack.labels, pack.lengths, pack.tags, extras)
+        return VisionPack(pack.index, pack.input_ids, pack.labels, pack.lengths, extras, tags=pack.tags)
 
     def _images_in(self, sample: int, start: int, end: int, entry: SampleImages) -> list[ImageRef]:
         """The images of ``sample`` inside its token range ``[start, end)``; refuse an image cut in two."""

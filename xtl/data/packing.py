@@ -25,7 +25,7 @@ import sys
 import tempfile
 import zipfile
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -112,7 +112,7 @@ class Pack:
     input_ids: np.ndarray
     labels: np.ndarray
     lengths: list[int]
-    tags: list[int] | None = None
+    tags: list[int] | None = field(default=None, kw_only=True)
 
 
 class PackedDataset:
@@ -136,7 +136,7 @@ class PackedDataset:
         samples = plan.seg_sample[a:b]
         ids, labels, lengths = self.data.gather(samples, plan.seg_start[a:b], plan.seg_end[a:b])
         tags = None if self.data.tags is None else self.data.tags[np.asarray(samples, dtype=np.int64)].tolist()
-        return Pack(index, ids, labels, lengths.tolist(), tags)
+        return Pack(index, ids, labels, lengths.tolist(), tags=tags)
 
 
 def hard_pack(num_tokens: np.ndarray, pack_max_length: int, seed: int = 0, shuffle: bool = True) -> PackPlan:
