@@ -342,9 +342,9 @@ class TestRefusals:
             PreferenceLoss(**kwargs)
 
 
-def _unpaired(lengths: list[int], labels: list[int], seed: int = 0) -> MicroBatch:
+def _unpaired(lengths: list[int], labels: list[int], seed: int = 0, index: int = 0) -> MicroBatch:
     """A pack of rows (own, mismatched document of each) carrying ``labels``."""
-    mb = _pairs(lengths, seed)
+    mb = _pairs(lengths, seed, index)
     return dataclasses.replace(mb, doc_tags=tuple(t for label in labels for t in (label, label)))
 
 
@@ -380,6 +380,25 @@ class TestUnpaired:
         _, terms, _ = module._pair_terms(_unpaired([9, 7, 12, 10], [1, 0]))
         assert terms.loss_sum.item() == pytest.approx(2 * 0.5)  # policy == reference: 1 - sigmoid(0) per row
         assert terms.metric_sums["count/chosen"].item() == terms.metric_sums["count/rejected"].item() == 1
+
+    def test_a_precomputed_reference_equals_the_live_one(self):
+        """The table's columns are each row's own and mismatched log-probabilities: with the policy moved, KTO's
+        loss, rewards and KL reference point equal a live reference's."""
+        kto = PreferenceLoss("kto", beta=0.5)
+        live, precomputed = _module(reference="live", objective=kto), _module(reference="precomputed", objective=kto)
+        precomputed._tables["train"] = _table(precomputed, PACKS)
+        with torch.no_grad():  # flatter logits
+            for module in (live, precomputed):
+                module.model.lm_head.weight.mul_(0.25)
+        points = []
+        for i, lengths in enumerate(PACKS):
+            mb = _unpaired(lengths, [k % 2 for k in range(len(lengths) // 2)], seed=i, index=i)
+            (_, want, _), (_, got, _) = live._pair_terms(mb), precomputed._pair_terms(mb)
+            for key in ("rewards/chosen", "rewards/rejected", "kl"):
+                torch.testing.assert_close(got.metric_sums[key], want.metric_sums[key], rtol=1e-6, atol=1e-7)
+            torch.testing.assert_close(got.loss_sum, want.loss_sum, rtol=1e-6, atol=0)
+            points.append(float(got.metric_sums["kl"]))
+        assert max(points) > 0, "the moved policy's reference point is off 0 somewhere"
 
     def test_the_data_kind_must_match_the_objective(self):
         module = _module(objective=PreferenceLoss("kto"))
