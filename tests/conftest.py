@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
@@ -17,6 +18,10 @@ from transformers import (
     Qwen3Config,
     Qwen3ForCausalLM,
 )
+
+if os.environ.get("PYTEST_XDIST_WORKER"):  # two test workers share the 2 cores: one thread each (and their children)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 
 TINY = dict(
     vocab_size=160,
@@ -126,6 +131,16 @@ def data_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 # what a launcher (or Lightning inside an in-process run) leaves in os.environ for the processes it starts
 LAUNCH_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK")
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group_left() -> Iterator[None]:
+    """Destroy a default process group a test leaves behind (an in-process fit on a sharded strategy keeps its
+    group for the next trainer): a later test that starts its own group would find one (the test workers run tests
+    in varying orders)."""
+    yield
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 @pytest.fixture(autouse=True)

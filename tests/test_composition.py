@@ -33,41 +33,48 @@ TIMEOUT = 900
 NOISE = re.compile(r"Warning|warn\(|^(\[rank\d+\]:)?[WE]\d{4} |Failed to load", re.IGNORECASE)
 
 
-class TestCompositionMatrix:
-    @pytest.mark.parametrize(
-        "cell",
-        [
-            pytest.param(c, id=c.id, marks=[pytest.mark.distributed] if c.strategy.world_size > 1 else [])
-            for c in cells()
-        ],
-    )
+def _cells(strategy: str) -> list:
+    return [
+        pytest.param(c, id=c.id, marks=[pytest.mark.distributed] if c.strategy.world_size > 1 else [])
+        for c in cells(strategy)
+    ]
+
+
+def check_cell(cell: Cell, matrix_results) -> None:
+    """A cell trained two steps and kept its feature's claim, or was refused at startup with its message."""
+    result = matrix_results(cell.strategy.name)[cell.id]
+    assert result["traceback"] is None, result["traceback"]
+    if cell.refusal is not None:
+        assert result["rc"] == 2, result["stderr"]
+        lines = [line for line in result["stderr"].splitlines() if line.startswith("xtl: error:")]
+        assert lines and cell.refusal in lines[0], result["stderr"]
+        assert "Traceback" not in result["stderr"]
+        return
+    assert result["rc"] == 0, result["stderr"]
+    noise = [line for line in result["stderr"].splitlines() if NOISE.search(line)]
+    assert not noise, "warnings a user cannot act on:\n" + "\n".join(noise)
+    losses = [float(result["losses"][str(step)]) for step in range(STEPS)]
+    assert all(math.isfinite(loss) for loss in losses), losses
+    plain = matrix_results(cell.strategy.name)[cell.id.replace(f"-{cell.feature.name}-", "-plain-")]
+    _check_claim(cell, result, plain)
+    _check_feature_acts(cell, result, plain)
+
+
+# One class per strategy: the test workers (pytest-xdist, by class) share the matrix out, a strategy's cells on one.
+class TestMatrixSingle:
+    @pytest.mark.parametrize("cell", _cells("single"))
     def test_cell(self, cell: Cell, matrix_results):
-        result = matrix_results(cell.strategy.name)[cell.id]
-        assert result["traceback"] is None, result["traceback"]
-        if cell.refusal is not None:
-            assert result["rc"] == 2, result["stderr"]
-            lines = [line for line in result["stderr"].splitlines() if line.startswith("xtl: error:")]
-            assert lines and cell.refusal in lines[0], result["stderr"]
-            assert "Traceback" not in result["stderr"]
-            return
-        assert result["rc"] == 0, result["stderr"]
-        noise = [line for line in result["stderr"].splitlines() if NOISE.search(line)]
-        assert not noise, "warnings a user cannot act on:\n" + "\n".join(noise)
-        losses = [float(result["losses"][str(step)]) for step in range(STEPS)]
-        assert all(math.isfinite(loss) for loss in losses), losses
-        plain = matrix_results(cell.strategy.name)[cell.id.replace(f"-{cell.feature.name}-", "-plain-")]
-        _check_claim(cell, result, plain)
-        _check_feature_acts(cell, result, plain)
-
-    def test_docs_show_the_matrix(self):
-        docs = (ROOT / "docs" / "configs.md").read_text()
-        assert render_markdown() in docs, "docs/configs.md is stale: run python -m tests.composition.matrix"
+        check_cell(cell, matrix_results)
 
 
-class TestGPURecipes:
+class TestMatrixFSDP:
+    @pytest.mark.parametrize("cell", _cells("fsdp"))
+    def test_cell(self, cell: Cell, matrix_results):
+        check_cell(cell, matrix_results)
+
     @pytest.mark.distributed
     @pytest.mark.parametrize("recipe", GPU_RECIPES)
-    def test_trains_three_steps_on_two_cpu_ranks(self, recipe, matrix_results):
+    def test_gpu_recipe_trains_three_steps_on_two_cpu_ranks(self, recipe, matrix_results):
         """The recipe's FSDP settings (``param_dtype: bfloat16``, its checkpointing callbacks; EP where it sets
         EP), with a tiny model and data, on 2 gloo ranks."""
         result = matrix_results("fsdp")[f"recipe-{recipe.removesuffix('.yaml')}"]
@@ -76,6 +83,25 @@ class TestGPURecipes:
         losses = [float(result["losses"][str(step)]) for step in range(RECIPE_STEPS)]
         assert all(math.isfinite(loss) for loss in losses), losses
         assert "checkpoints/last.ckpt/.metadata" in result["probe"]["files"]
+
+
+class TestMatrixCP:
+    @pytest.mark.parametrize("cell", _cells("cp"))
+    def test_cell(self, cell: Cell, matrix_results):
+        check_cell(cell, matrix_results)
+
+
+class TestMatrixEP:
+    @pytest.mark.parametrize("cell", _cells("ep"))
+    def test_cell(self, cell: Cell, matrix_results):
+        check_cell(cell, matrix_results)
+
+    def test_every_strategy_has_its_class(self):
+        assert {s.name for s in STRATEGIES} == {"single", "fsdp", "cp", "ep"}
+
+    def test_docs_show_the_matrix(self):
+        docs = (ROOT / "docs" / "configs.md").read_text()
+        assert render_markdown() in docs, "docs/configs.md is stale: run python -m tests.composition.matrix"
 
 
 def _check_claim(cell: Cell, result: dict, plain: dict) -> None:

@@ -17,8 +17,8 @@ ROOT = Path(__file__).resolve().parents[2]
 STEPS = 2
 
 _TEXT = dict(
-    vocab_size=1600, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=16, max_position_embeddings=512, tie_word_embeddings=True, attn_impl="sdpa",
+    vocab_size=1600, hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=64, max_position_embeddings=512, tie_word_embeddings=True, attn_impl="sdpa",
 )  # fmt: skip
 _VISION = dict(
     depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=8, spatial_merge_size=2,
@@ -26,7 +26,7 @@ _VISION = dict(
 )  # fmt: skip
 _VL_TOKENS = dict(image_token_id=1544, vision_start_token_id=1542, vision_end_token_id=1543, video_token_id=1545)
 _MROPE = {
-    "rope_type": "default", "rope_theta": 10000.0, "params": {"mrope_section": [4, 2, 2], "mrope_interleaved": True}
+    "rope_type": "default", "rope_theta": 10000.0, "params": {"mrope_section": [16, 8, 8], "mrope_interleaved": True}
 }  # fmt: skip
 
 
