@@ -7,7 +7,8 @@ same weights, and computes :func:`~xtl.train.preference.sequence_logps`, the KL 
 (:meth:`~xtl.train.preference_loss.PreferenceLoss.kl_point`, the batch's mean clamped at 0) and
 :meth:`~xtl.train.preference_loss.PreferenceLoss.terms` with the rows' labels; the step's loss is ``loss_sum / rows``
 and its metrics :meth:`~xtl.train.preference_loss.PreferenceLoss.metric_means`. Everything is compared within
-``RTOL`` (fp64 on both sides, as the DPO comparison: ``tests/train/test_preference_trl.py`` says why).
+``RTOL`` (fp64 on both sides, as the DPO comparison: ``tests/train/test_preference_trl.py`` says why; measured
+<= 5.1e-13 relative).
 
 The KL reference point is positive only when the policy puts more mass on the mismatched completions than the
 reference: the "policy" of the ``kl_positive`` cases is the unperturbed model and the "reference" the perturbed one,
