@@ -69,20 +69,9 @@ def build_tokenize_fn(
             messages_key=messages_key,
             template_kwargs=template_kwargs,
         )
-    if kind == PREFERENCE_KIND:
-        return PreferenceTokenizeFn(
-            tokenizer,
-            template=template,
-            template_kwargs=template_kwargs,
-            bad_rows=bad_rows,  # type: ignore[arg-type]
-        )
-    if kind == UNPAIRED_KIND:
-        return UnpairedPreferenceTokenizeFn(
-            tokenizer,
-            template=template,
-            template_kwargs=template_kwargs,
-            bad_rows=bad_rows,  # type: ignore[arg-type]
-        )
+    if kind in (PREFERENCE_KIND, UNPAIRED_KIND):
+        cls = PreferenceTokenizeFn if kind == PREFERENCE_KIND else UnpairedPreferenceTokenizeFn
+        return cls(tokenizer, template=template, template_kwargs=template_kwargs, bad_rows=bad_rows)  # type: ignore[arg-type]
     raise DataError(
         f"unknown source kind {kind!r}; use 'chat' (messages), 'text' (pretraining), 'preference' (chosen/rejected "
         "pairs), 'unpaired_preference' (responses labeled good or bad) or 'vlm_chat'"

@@ -25,19 +25,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from transformers import PreTrainedTokenizerBase
 
-import xtl.data.templates as _templates_module
 from xtl.data.item import DataError
-from xtl.data.preference import (
-    BAD_ROW_POLICIES,
-    FIX,
-    BadRowError,
-    parse_preference_row,
-    unsupervised_prompt,
-)
-from xtl.data.sources import BadRowPolicy
-from xtl.data.tokenize import ChatTokenizeFn, Locator, SampleArrays, TokenizeFn
+from xtl.data.preference import FIX, BadRowError, PreferenceTokenizeFn, parse_preference_row, unsupervised_prompt
+from xtl.data.tokenize import Locator, SampleArrays
 
 UNPAIRED_KIND = "unpaired_preference"
 SIDES = ("matched", "mismatched")
@@ -106,13 +97,14 @@ def parse_unpaired_row(row: dict[str, Any], location: str = "<row>") -> list[Unp
     return [UnpairedRow(prompt, completion, label, tools)]
 
 
-class UnpairedPreferenceTokenizeFn(TokenizeFn):
+class UnpairedPreferenceTokenizeFn(PreferenceTokenizeFn):
     """Unpaired preference rows: each yields its matched sample and its mismatched (KL) sample, tagged with its label.
 
-    Both samples are encoded by one :class:`~xtl.data.tokenize.ChatTokenizeFn` (same template, same mask rules), the
-    prompt's assistant turns with ``"loss": false``: only the completion's assistant tokens are supervised. The
-    mismatched sample is the row's prompt with the completion of the previous row of the same tokenize call that is
-    kept (the first row takes the last row's; a call with one row pairs it with its own completion).
+    The settings are :class:`~xtl.data.preference.PreferenceTokenizeFn`'s. Both samples are encoded by one
+    :class:`~xtl.data.tokenize.ChatTokenizeFn` (same template, same mask rules), the prompt's assistant turns with
+    ``"loss": false``: only the completion's assistant tokens are supervised. The mismatched sample is the row's
+    prompt with the completion of the previous row of the same tokenize call that is kept (the first row takes the
+    last row's; a call with one row pairs it with its own completion).
 
     Args:
         tokenizer (PreTrainedTokenizerBase): Fast tokenizer carrying the template's special tokens.
@@ -124,22 +116,6 @@ class UnpairedPreferenceTokenizeFn(TokenizeFn):
     """
 
     tagged = True
-
-    def __init__(
-        self,
-        tokenizer: PreTrainedTokenizerBase,
-        template: str = "qwen3",
-        template_kwargs: dict[str, Any] | None = None,
-        bad_rows: BadRowPolicy = "error",
-    ) -> None:
-        super().__init__(tokenizer)
-        if bad_rows not in BAD_ROW_POLICIES:
-            raise DataError(f"bad_rows must be 'error' or 'drop', got {bad_rows!r}")
-        self.bad_rows = bad_rows
-        self.chat = ChatTokenizeFn(tokenizer, template=template, template_kwargs=template_kwargs)
-
-    def config(self) -> dict[str, Any]:
-        return {"chat": self.chat.config(), "bad_rows": self.bad_rows}
 
     def batch_arrays(self, rows: list[dict[str, Any] | None], locate: Locator) -> list[list[SampleArrays]]:
         out: list[list[SampleArrays]] = [[] for _ in rows]
@@ -180,9 +156,6 @@ class UnpairedPreferenceTokenizeFn(TokenizeFn):
         if bad and self.bad_rows == "error":
             raise bad[min(bad)]
         return out
-
-    def _extra_modules(self) -> set[str]:
-        return {_templates_module.__name__}
 
 
 def row_labels(tags: np.ndarray | None) -> np.ndarray:
