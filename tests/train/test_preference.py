@@ -400,6 +400,23 @@ class TestUnpaired:
             points.append(float(got.metric_sums["kl"]))
         assert max(points) > 0, "the moved policy's reference point is off 0 somewhere"
 
+    def test_under_lora_the_adapters_off_model_is_the_reference(self):
+        """KTO with ``adapters_off``: the adapted policy's rewards and KL point are measured against the base model,
+        the same as a live copy of the base gives."""
+        kto = PreferenceLoss("kto", beta=0.5)
+        live, lora = _module(reference="live", objective=kto), _module(reference="live", objective=kto)
+        for module in (live, lora):  # the same adapters on both
+            torch.manual_seed(3)
+            add_lora(module.model.layers[0].self_attn.q_proj, rank=2, alpha=4)
+            torch.nn.init.normal_(module.model.layers[0].self_attn.q_proj.lora_B.weight)
+        lora.reference_mode, lora._reference = "adapters_off", []
+        mb = _unpaired([9, 7, 12, 10], [1, 0])
+        (_, want, _), (_, got, _) = live._pair_terms(mb), lora._pair_terms(mb)
+        assert got.metric_sums["rewards/chosen"] != 0
+        for key in ("rewards/chosen", "rewards/rejected", "kl"):
+            torch.testing.assert_close(got.metric_sums[key], want.metric_sums[key], rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(got.loss_sum, want.loss_sum, rtol=1e-6, atol=0)
+
     def test_the_data_kind_must_match_the_objective(self):
         module = _module(objective=PreferenceLoss("kto"))
         with pytest.raises(ConfigError, match="loss_type: kto trains on rows labeled desirable or not"):
