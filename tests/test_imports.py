@@ -20,7 +20,7 @@ LAYERS = (
     ("module",),
     ("model", "data"),
     ("strategies",),
-    ("train",),
+    ("train", "rl"),
     ("callbacks",),
     ("cli_parser", "moved_settings", "run_layout"),
     ("cli",),
