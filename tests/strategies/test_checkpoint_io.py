@@ -105,6 +105,16 @@ def _start(work: Path, cache: Path, strategy: str) -> subprocess.Popen:
     )
 
 
+def _newest_write(folder: Path) -> float:
+    """The latest modification time in ``folder`` (0 when empty or missing); an entry renamed or removed while it is
+    read (a save's temporary file) is skipped."""
+    newest = 0.0
+    for path in folder.iterdir() if folder.is_dir() else ():
+        with contextlib.suppress(FileNotFoundError):
+            newest = max(newest, path.stat().st_mtime)
+    return newest
+
+
 def _setup(work: Path) -> None:
     work.mkdir(parents=True)
     (work / "every_step.yaml").write_text(EVERY_STEP)
@@ -146,9 +156,7 @@ class TestKillAndResume:
         for _ in range(kills):
             started = time.time()
             proc = _start(broken, data_cache, strategy)
-            while proc.poll() is None and not any(
-                p.stat().st_mtime > started for p in (checkpoints.iterdir() if checkpoints.is_dir() else ())
-            ):
+            while proc.poll() is None and _newest_write(checkpoints) <= started:
                 time.sleep(0.01)
             time.sleep(rng.uniform(0.0, 0.3))
             assert proc.poll() is None, "the run ended before the kill"
