@@ -386,7 +386,7 @@ def _cp_worker(rank: int, port: int, out: str, seq_len: int, seed: int) -> None:
             created = CreatedStorages()
             with created:
                 out_ = model(seq_ctx=share.seq_ctx, labels=share.labels, return_logits=False)
-            gpu = created.alive_bytes(params)
+            gpu = created.settled_alive_bytes(params)  # gloo's worker threads drop their buffers late
             (out_.loss_sum / (seq_len - 1)).backward()  # the mean over the whole sequence's targets
             grads = [p.grad.detach().clone() for p in model.parameters()]
             for grad in grads:
@@ -480,6 +480,25 @@ class CreatedStorages(TorchDispatchMode):
     def alive_bytes(self, exclude: set[int]) -> int:
         """Bytes of the recorded storages still alive, except those in ``exclude`` (``_cdata`` keys)."""
         return sum(size for key, (ref, size) in self.storages.items() if not ref.expired() and key not in exclude)
+
+    def settled_alive_bytes(self, exclude: set[int], interval_s: float = 0.02, limit_s: float = 5.0) -> int:
+        """:meth:`alive_bytes` once it holds still for three reads ``interval_s`` apart (at most ``limit_s``).
+
+        A collective's work object keeps its tensors until the process group's worker thread lets go of it, which
+        can come after ``wait()`` returns; under load that is late enough to count a layer's buffers twice.
+        """
+        import gc
+        import time
+
+        deadline = time.monotonic() + limit_s
+        reads = [-1]
+        while time.monotonic() < deadline:
+            gc.collect()
+            reads.append(self.alive_bytes(exclude))
+            if len(reads) >= 4 and reads[-1] == reads[-2] == reads[-3]:
+                break
+            time.sleep(interval_s)
+        return reads[-1]
 
 
 def _build_xtl(fields: dict, options: dict[str, Any], seed: int) -> tuple[torch.nn.Module, list[Any]]:
