@@ -32,6 +32,7 @@ from xtl.data.packing import (
     save_plan,
 )
 from xtl.data.preference import BAD_ROW_POLICIES, PREFERENCE_KIND, check_pair_plan, dropped_rows
+from xtl.data.prompts import PROMPT_KIND, PromptSet, StepTickets
 from xtl.data.sampler import EvalStepSampler, RankSteps, SamplerOrder, StepSampler
 from xtl.data.sources import FileHashMemo, SourceSpec, open_source
 from xtl.data.tokenize_fn import build_tokenize_fn
@@ -75,6 +76,10 @@ class XTLDataModule(pl.LightningDataModule):
     ``dropped_rows``. Unpaired preference data (``kind: unpaired_preference``, KTO; :mod:`xtl.data.unpaired`) is
     kept the same way: every row is its own sample and a mismatched one (for the KL estimate), and every document
     carries its row's label (``MicroBatch.doc_tags``).
+
+    Prompt data (``kind: prompt`` sources, :mod:`xtl.data.prompts`) is for RL: nothing is tokenized or packed; the
+    RL module draws rows itself (:meth:`take`), the train loader only counts steps, and a prompt validation set
+    yields batches of rows (``predict_batch_size`` at a time). A set is all prompt sources or none.
 
     Args:
         sources (list[SourceSpec]): Training sources, mixed by their ``sample_ratio``.
@@ -211,6 +216,7 @@ class XTLDataModule(pl.LightningDataModule):
         self.dropped_rows: dict[str, int] = {}  # preference source path -> rows skipped under bad_rows: drop
         self._open_sources: dict[Path, Any] = {}  # cache entry -> its source (row locations for errors)
         self._check_sets()
+        self.prompts = PromptSet(self.sources, seed, "data.sources") if _is_prompt_set(self.sources) else None
 
     # -- Lightning hooks -------------------------------------------------------------------------------------------
 
@@ -218,7 +224,8 @@ class XTLDataModule(pl.LightningDataModule):
         """Build the tokenization caches (runs on one process per node; others find them warm in ``setup``)."""
         eval_sets = [*self.val_sources.values(), *self.test_sources.values()]
         for spec in self.sources + [s for specs in eval_sets for s in specs]:
-            self._cache(spec)
+            if spec.kind != PROMPT_KIND:
+                self._cache(spec)
 
     def setup(self, stage: str | None = None) -> None:
         """Load caches (building any that are missing) and compute the pack plans.
@@ -226,7 +233,7 @@ class XTLDataModule(pl.LightningDataModule):
         Args:
             stage (str | None): Lightning stage; ignored (everything is cheap once cached).
         """
-        if self.train_split is not None:
+        if self.train_split is not None or self.prompts is not None:
             return
         self.train_split = self._split(self.sources, self.packing, self.pack_preset, "data.sources")
         report = self.train_split.plan.report()
@@ -244,8 +251,12 @@ class XTLDataModule(pl.LightningDataModule):
         """This rank's training step batches, resuming at ``consumed_samples``.
 
         Returns:
-            ResumableDataLoader: Yields ``list[MicroBatch]`` of length ``micro_batches_per_step``.
+            ResumableDataLoader: Yields ``list[MicroBatch]`` of length ``micro_batches_per_step`` (prompt data:
+            step numbers).
         """
+        if self.prompts is not None:
+            _ = self.prompts.rows  # a bad source fails before the first step
+            return torch.utils.data.DataLoader(StepTickets(), batch_size=None)
         self.setup()
         assert self.train_split is not None
         rank, world = self.data_parallel_rank()
@@ -279,6 +290,9 @@ class XTLDataModule(pl.LightningDataModule):
         Returns:
             list[DataLoader]: The loaders (empty when there are no validation sources).
         """
+        if any(_is_prompt_set(specs) for specs in self.val_sources.values()):
+            return [PromptSet(specs, key=f"data.val_sources.{name}").loader(self.predict_batch_size)
+                    for name, specs in self.val_sources.items()]  # fmt: skip
         self.setup()
         return self._eval_loaders(self.val_splits)
 
@@ -322,7 +336,10 @@ class XTLDataModule(pl.LightningDataModule):
         Returns:
             dict: The state.
         """
-        return {"consumed_samples": self.consumed_samples, "seed": self.seed}
+        state = {"consumed_samples": self.consumed_samples, "seed": self.seed}
+        if self.prompts is not None:
+            state["consumed_prompts"] = self.prompts.consumed
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Resume: the next train loader starts after ``consumed_samples`` packs.
@@ -331,10 +348,23 @@ class XTLDataModule(pl.LightningDataModule):
             state_dict (dict): From ``state_dict()``.
         """
         self._consumed_samples = int(state_dict["consumed_samples"])
+        if self.prompts is not None:
+            self.prompts.consumed = int(state_dict.get("consumed_prompts", 0))
         if self._train_loader is not None:
             self._train_loader.step_sampler.consumed_samples = self._consumed_samples
 
     # -- public helpers --------------------------------------------------------------------------------------------
+
+    def take(self, count: int) -> list[dict[str, Any]]:
+        """RL: this rank's next ``count`` prompt rows (:meth:`xtl.data.prompts.PromptSet.take`; every rank calls it
+        together).
+
+        Raises:
+            DataError: The training sources are not ``kind: prompt``.
+        """
+        if self.prompts is None:
+            raise DataError("RL draws prompts from kind: prompt sources: set data.sources[*].kind: prompt")
+        return self.prompts.take(count, *self.data_parallel_rank())
 
     @property
     def consumed_samples(self) -> int:
@@ -422,6 +452,14 @@ class XTLDataModule(pl.LightningDataModule):
                         "unpaired_preference only: remove it"
                     )
             kinds = sorted({spec.kind for spec in specs})
+            if PROMPT_KIND in kinds and len(kinds) > 1:
+                raise DataError(
+                    f"{key} mixes kind: prompt with kind: {', '.join(k for k in kinds if k != PROMPT_KIND)}; a set is "
+                    "all prompt data (RL) or none of it"
+                )
+            misplaced = [s.path for s in specs if s.kind != PROMPT_KIND and (s.match or s.data_source)]
+            if misplaced:
+                raise DataError(f"{key}: source {misplaced[0]}: match and data_source apply to kind: prompt only")
             paired = [k for k in kinds if k in PAIR_KINDS]
             if paired and len(kinds) > 1:
                 raise DataError(
@@ -624,6 +662,10 @@ def packing_summary(
             f"({report['truncated_tokens']} tokens cut)"
         )
     return line
+
+
+def _is_prompt_set(specs: list[SourceSpec]) -> bool:
+    return bool(specs) and all(spec.kind == PROMPT_KIND for spec in specs)
 
 
 def _resolve(path: str) -> str:

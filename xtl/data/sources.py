@@ -21,7 +21,7 @@ from xtl.data.item import DataError, DataFileNotFoundError
 from xtl.utils import atomic_write_bytes
 
 SourceFormat = Literal["auto", "jsonl", "hf_disk", "parquet", "json"]
-SourceKind = Literal["chat", "text", "preference", "unpaired_preference"]
+SourceKind = Literal["chat", "text", "preference", "unpaired_preference", "prompt"]
 BadRowPolicy = Literal["error", "drop"]
 
 _SCAN_CHUNK = 64 << 20
@@ -38,7 +38,9 @@ class SourceSpec:
         kind (str): ``"chat"`` (OpenAI-style ``messages``, rendered with the chat template), ``"text"``
             (pretraining ``{"text": ...}``) or ``"preference"`` (pairs of a chosen and a rejected response to one
             prompt, :mod:`xtl.data.preference`: every row yields two samples, chosen then rejected) or
-            ``"unpaired_preference"`` (one response labeled desirable or not, for KTO, :mod:`xtl.data.unpaired`).
+            ``"unpaired_preference"`` (one response labeled desirable or not, for KTO, :mod:`xtl.data.unpaired`) or
+            ``"prompt"`` (prompts with reference answers for RL, read as rows and never tokenized here:
+            :mod:`xtl.data.prompts`).
         format (str): ``"auto"`` (from the suffix / folder contents), ``"jsonl"``, ``"hf_disk"``, ``"parquet"``,
             ``"json"``.
         sample_ratio (float): Share of this source in the mix: 2.0 repeats every sample twice, 0.5 keeps a seeded
@@ -52,6 +54,10 @@ class SourceSpec:
         bad_rows (str): ``kind="preference"`` and ``"unpaired_preference"`` only: a row that cannot be used (a
             missing or empty side, chosen identical to rejected, a response without a supervised token) raises
             ``DataError`` naming its ``file:line`` (``"error"``, the default) or is skipped and counted (``"drop"``).
+        match (str | None): ``kind="prompt"`` only: keep the rows whose last user message matches this regular
+            expression.
+        data_source (str | None): ``kind="prompt"`` only: the rows' data source when a row names none (judgers
+            route on it; default: the display name).
     """
 
     path: str
@@ -65,6 +71,8 @@ class SourceSpec:
     chunk_size: int | None = None
     chunk_overlap: int = 0
     bad_rows: BadRowPolicy = "error"
+    match: str | None = None
+    data_source: str | None = None
 
     @property
     def display_name(self) -> str:

@@ -133,6 +133,16 @@ class LanguageModule(pl.LightningModule):
             self.strict_loading = False
             self.register_state_dict_post_hook(partial(_drop_keys, keys=skipped))
 
+    def build_frozen_copy(self) -> BaseModel:
+        """A frozen copy of the starting weights (a reference model), built by the same ``parallelize`` sequence
+        (sharded like the policy), without the run's model transforms, in eval mode."""
+        with torch.device("meta"):
+            reference = self.model_config.build()
+        weights = WeightSource(self.hf_dir, self.hparams.seed, getattr(torch, self.hparams.param_dtype))
+        reference = self.parallelizer.parallelize(reference, [], weights)
+        reference.requires_grad_(False)
+        return reference.eval()
+
     @property
     def parallelizer(self) -> ParallelizingStrategy:
         """The trainer's strategy when it is an xtl one, else the single-device sequence on this module's device."""

@@ -105,6 +105,7 @@ def generate(
     config: GenerationConfig | None = None,
     generator: torch.Generator | None = None,
     output_logits: bool = False,
+    group: Any = None,
 ) -> GenerationOutput:
     """Decode continuations of ``prompts`` with a KV cache (the model runs in eval mode meanwhile).
 
@@ -114,6 +115,8 @@ def generate(
         config: Decoding settings (default: greedy, 32 new tokens, no stop token).
         generator: Random generator for sampling (default: one seeded with ``config.seed`` on the model's device).
         output_logits: Keep each step's next-token logits in the output.
+        group: A process group whose ranks decode different prompts in lockstep (sharded parameters: every forward
+            needs every rank): decoding stops when every rank's sequences have stopped (``None``: this process).
 
     Returns:
         GenerationOutput: The new tokens of each prompt (and the logits when asked).
@@ -132,7 +135,7 @@ def generate(
     was_training = model.training
     model.eval()
     try:
-        return _decode(model, [list(p) for p in prompts], config, generator, output_logits, device)
+        return _decode(model, [list(p) for p in prompts], config, generator, output_logits, device, group)
     finally:
         model.train(was_training)
 
@@ -230,6 +233,7 @@ def _decode(
     generator: torch.Generator | None,
     output_logits: bool,
     device: torch.device,
+    group: Any = None,
 ) -> GenerationOutput:
     batch = len(prompts)
     lengths = [len(p) for p in prompts]
@@ -247,7 +251,7 @@ def _decode(
         token = sample_next(logits, config, generator).masked_fill(finished, config.pad_token_id)
         steps.append(token)
         finished = finished | torch.isin(token, stop)
-        if step + 1 == config.max_new_tokens or bool(finished.all()):
+        if step + 1 == config.max_new_tokens or _all_finished(finished, group):
             break
         out = model(
             input_ids=token[:, None], attention_mask=ones, position_ids=positions, kv_cache=cache, logits_to_keep=1
@@ -281,6 +285,15 @@ def _prefill(
         logits_to_keep=1,
     )
     return _last_logits(out.logits)
+
+
+def _all_finished(finished: torch.Tensor, group: Any) -> bool:
+    """Whether every sequence has stopped, here and (with ``group``) on every rank of ``group``."""
+    if group is None:
+        return bool(finished.all())
+    done = finished.all().to(torch.int32).reshape(1)
+    torch.distributed.all_reduce(done, op=torch.distributed.ReduceOp.MIN, group=group)
+    return bool(done.item())
 
 
 def _last_logits(logits: torch.Tensor) -> torch.Tensor:

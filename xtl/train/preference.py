@@ -43,7 +43,7 @@ from xtl.data.unpaired import UNPAIRED_KIND
 from xtl.errors import ConfigError
 from xtl.model import BaseModel
 from xtl.module.lora import adapters_disabled, lora_layers
-from xtl.strategies.parallelize import TransformStage, WeightSource
+from xtl.strategies.parallelize import TransformStage
 from xtl.train.base import LanguageModule
 from xtl.train.preference_loss import UNPAIRED, PairTerms, PreferenceLoss, SequenceLogps
 from xtl.train.reference_cache import (
@@ -168,17 +168,7 @@ class PreferenceModule(LanguageModule):
                 "or use reference: live"
             )
         if mode == "live":
-            self._reference = [self._build_reference()]
-
-    def _build_reference(self) -> BaseModel:
-        """A frozen copy of the starting weights, built by the same ``parallelize`` sequence (sharded like the
-        policy), without the run's model transforms."""
-        with torch.device("meta"):
-            reference = self.model_config.build()
-        weights = WeightSource(self.hf_dir, self.hparams.seed, getattr(torch, self.hparams.param_dtype))
-        reference = self.parallelizer.parallelize(reference, [], weights)
-        reference.requires_grad_(False)
-        return reference.eval()
+            self._reference = [self.build_frozen_copy()]
 
     def on_fit_start(self) -> None:
         """Say which objective and reference train."""
@@ -455,7 +445,7 @@ class PreferenceModule(LanguageModule):
         elif not resumed and self.global_step == 0:
             model, source = self.model, "the policy before its first step"
         else:
-            temporary = model = self._build_reference()
+            temporary = model = self.build_frozen_copy()
             source = "a copy of the starting weights, the resumed policy has moved"
         modes = [(module, module.training) for module in model.modules()]
         model.eval()
