@@ -1,4 +1,6 @@
-"""Reinforcement learning: the judgers that score rollouts (:mod:`xtl.rl.judger`)."""
+"""Reinforcement learning: judgers (:mod:`xtl.rl.judger`), rollout engines (:mod:`xtl.rl.rollout`), the replay
+buffer (:mod:`xtl.rl.buffer`), the policy losses (:mod:`xtl.rl.loss`) and :class:`GRPOModule`
+(:mod:`xtl.rl.module`)."""
 
 from xtl.rl.judger import (
     BaseJudger,
@@ -12,6 +14,9 @@ from xtl.rl.judger import (
     RolloutState,
     SyncJudger,
 )
+from xtl.rl.loss import PolicyLossConfig
+from xtl.rl.module import GRPOModule
+from xtl.rl.rollout import LocalRolloutEngine, Rollout, RolloutEngine, SamplingSettings
 
 __all__ = [
     "BaseJudger",
@@ -19,9 +24,15 @@ __all__ = [
     "ExactMatchJudger",
     "FormatJudger",
     "FunctionJudger",
+    "GRPOModule",
+    "LocalRolloutEngine",
     "Judger",
     "MathJudger",
+    "PolicyLossConfig",
     "RegexJudger",
+    "Rollout",
+    "RolloutEngine",
     "RolloutState",
+    "SamplingSettings",
     "SyncJudger",
 ]

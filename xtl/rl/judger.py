@@ -80,6 +80,13 @@ class BaseJudger(ABC):
         """:meth:`batch_judge` from synchronous code (a training step)."""
         return asyncio.run(self.batch_judge(states))
 
+    def state_dict(self) -> dict[str, Any]:
+        """What resumes the judger exactly (e.g. the state of a random generator it samples with); none here."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:  # noqa: B027 (optional hook: nothing to do by default)
+        """Restore :meth:`state_dict`."""
+
 
 class Judger(BaseJudger):
     """A judger behind the payload contract (module docstring).
@@ -201,6 +208,16 @@ class ComposedJudger(BaseJudger):
             else:
                 state.reward = self.merge_fn([o for _, o in judged], [j for j, _ in judged])  # type: ignore[misc]
         return list(states)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Each branch judger's state, by data source and position."""
+        return {f"{source}/{i}": j.state_dict() for source, js in self.branches.items() for i, j in enumerate(js)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+        for source, judgers in self.branches.items():
+            for i, judger in enumerate(judgers):
+                judger.load_state_dict(state.get(f"{source}/{i}", {}))
 
     def _route(self, state: RolloutState) -> list[Judger]:
         judgers = self.branches.get(state.data_source) or self.branches.get("*")

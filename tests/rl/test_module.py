@@ -1,0 +1,189 @@
+"""GRPOModule: packed completions and their log-probabilities, the update sequence, the reference, resume, refusals."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from xtl.callbacks import LoRA
+from xtl.data import SourceSpec, XTLDataModule
+from xtl.errors import ConfigError
+from xtl.rl import FunctionJudger, GRPOModule, PolicyLossConfig, SamplingSettings
+from xtl.rl.module import pack_sequences
+from xtl.strategies import AtomicCheckpointIO
+from xtl.train import AdamWConfig, ScheduleConfig
+
+MODEL = {
+    "model_type": "qwen3", "vocab_size": 1600, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "attn_impl": "sdpa",
+    "tie_word_embeddings": True,
+}  # fmt: skip
+ARITHMETIC = r"^What (is \d|number comes after)"
+
+
+def varied_reward(response: str, ground_truth: str) -> float:
+    """A reward that differs between the random model's completions (so advantages are not all 0)."""
+    return float(sum(map(ord, response)) % 3) / 2
+
+
+def _datamodule(val: bool = False) -> XTLDataModule:
+    spec = SourceSpec("tiny:sft_train.jsonl", kind="prompt", match=ARITHMETIC)
+    heldout = {"heldout": [SourceSpec("tiny:sft_eval.jsonl", kind="prompt", match=ARITHMETIC)]} if val else None
+    return XTLDataModule([spec], tokenizer="tiny:", val_sources=heldout, predict_batch_size=16)
+
+
+def _module(**kwargs) -> GRPOModule:
+    settings = dict(
+        judger=FunctionJudger(varied_reward),
+        sampling=SamplingSettings(group_size=4, max_new_tokens=6),
+        prompts_per_step=3,
+        mini_batches=2,
+        optimizer=AdamWConfig(lr=1e-2, weight_decay=0.0),
+        schedule=ScheduleConfig(warmup_steps=0, kind="constant"),
+    )
+    return GRPOModule(MODEL, **{**settings, **kwargs})
+
+
+class MetricRecorder(pl.Callback):
+    """Every logged ``train/...`` and ``rollout/...`` value, per step."""
+
+    def __init__(self) -> None:
+        self.steps: dict[int, dict[str, float]] = {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.steps[trainer.global_step] = {k: v.item() for k, v in trainer.callback_metrics.items()}
+
+
+class StopAt(pl.Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step >= self.step:
+            trainer.should_stop = True
+
+
+def _fit(module, steps, root, callbacks=(), ckpt_path=None, every=None, datamodule=None):
+    recorder = MetricRecorder()
+    callbacks = [recorder, *callbacks]
+    if every:
+        save = pl.callbacks.ModelCheckpoint
+        callbacks.append(save(dirpath=root / "ckpt", every_n_train_steps=every, save_last=True, save_top_k=-1))
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, enable_checkpointing=bool(every), default_root_dir=root,
+        callbacks=callbacks, plugins=[AtomicCheckpointIO()], limit_val_batches=0,
+    )  # fmt: skip
+    pl.seed_everything(0)
+    trainer.fit(module, datamodule=datamodule or _datamodule(), ckpt_path=ckpt_path)
+    return recorder.steps, trainer
+
+
+class TestPackSequences:
+    def test_logps_equal_each_sequence_alone(self) -> None:
+        module = _module()
+        module.configure_model()
+        sequences = [([5, 6, 7], [8, 9]), ([10, 11], [12, 13, 14, 15]), ([16], [17])]
+        mb = pack_sequences(sequences, [1.0, -1.0, 0.5])
+        assert mb.mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]]
+        logps, entropy = module._token_logps(module.model, mb, with_entropy=True)
+        for i, (prompt, response) in enumerate(sequences):
+            ids = torch.tensor([prompt + response])
+            logits = module.model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
+            want = torch.log_softmax(logits, -1).gather(1, torch.tensor(response)[:, None])[:, 0]
+            torch.testing.assert_close(logps[i, : len(response)], want, rtol=0, atol=1e-5)
+        assert (logps * (1 - mb.mask) == 0).all() and (entropy[mb.mask.bool()] > 0).all()
+
+    def test_an_empty_micro_batch_is_a_filler_without_completions(self) -> None:
+        mb = pack_sequences([], [])
+        assert mb.mask.numel() == 0 and mb.num_real_tokens == 2 and (mb.batch.labels == -100).all()
+
+    def test_state_round_trip(self) -> None:
+        mb = pack_sequences([([1, 2], [3]), ([4], [5, 6])], [0.5, -0.5])
+        mb.old_logps, mb.num_items = torch.randn(2, 2), 3.0
+        back = type(mb).from_state(mb.state())
+        assert torch.equal(back.batch.seq_ctx.input_ids, mb.batch.seq_ctx.input_ids)
+        assert torch.equal(back.batch.labels, mb.batch.labels) and torch.equal(back.old_logps, mb.old_logps)
+        assert back.num_items == 3.0 and torch.equal(back.rows, mb.rows)
+
+
+class TestTraining:
+    def test_old_logps_are_kept_across_the_updates_of_a_rollout_batch(self, tmp_path) -> None:
+        steps, _ = _fit(_module(), 3, tmp_path)
+        first, second, third = steps[1], steps[2], steps[3]
+        assert first["train/ratio"] == 1.0 and first["train/clip_region"] == 0.0, "the first update is on-policy"
+        assert second["train/ratio"] != 1.0, "the second update of a batch compares with the sampling policy"
+        assert third["train/ratio"] == 1.0, "a new rollout batch starts on-policy again"
+        assert first["rollout/samples"] == 3 * 4 and first["rollout/completed"] + first["rollout/failed"] == 12
+        assert first["train/groups_with_signal"] > 0 and first["train/entropy"] > 0
+        assert {"train/reward", "train/reward_std", "train/response_length", "rollout/gen_seconds_p90"} <= set(first)
+
+    def test_epochs_repeat_the_batch(self, tmp_path) -> None:
+        steps, _ = _fit(_module(mini_batches=1, epochs=2), 3, tmp_path)
+        assert steps[1]["train/ratio"] == 1.0 and steps[2]["train/ratio"] != 1.0 and steps[3]["train/ratio"] == 1.0
+
+    def test_the_policy_learns_the_reward(self, tmp_path) -> None:
+        """A reward for short completions (in characters): the mean reward rises (the objective really acts)."""
+        module = _module(
+            judger=FunctionJudger(lambda response, ground_truth: -len(response) / 10),
+            sampling=SamplingSettings(group_size=8, max_new_tokens=8),
+            prompts_per_step=4,
+            mini_batches=1,
+        )
+        steps, _ = _fit(module, 12, tmp_path)
+        rewards = [steps[s]["train/reward"] for s in sorted(steps)]
+        assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.2, rewards
+
+    @pytest.mark.parametrize("reference", ["live", "adapters_off"])
+    def test_kl_to_the_reference_is_zero_first_then_positive(self, tmp_path, reference) -> None:
+        callbacks = [LoRA(rank=4)] if reference == "adapters_off" else []
+        module = _module(objective=PolicyLossConfig(beta=0.1), mini_batches=1)
+        steps, _ = _fit(module, 3, tmp_path, callbacks)
+        assert module.resolved_reference == reference
+        assert steps[1]["train/kl"] == 0.0 and steps[3]["train/kl"] > 0, steps
+
+    def test_validation_judges_greedy_answers(self, tmp_path) -> None:
+        module = _module()
+        trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                             default_root_dir=tmp_path, limit_val_batches=1)  # fmt: skip
+        metrics = trainer.validate(module, datamodule=_datamodule(val=True), verbose=False)[0]
+        assert 0 <= metrics["val/exact_match"] <= 1 and 0 <= metrics["val/reward"] <= 1
+
+
+class TestResume:
+    def test_a_run_stopped_between_the_updates_of_a_batch_resumes_exactly(self, tmp_path) -> None:
+        """Stopped after step 3 (an update of the second batch pending, oversampled groups in the buffer): steps 4-6
+        equal the uninterrupted run's, bit for bit."""
+        settings = dict(dynamic_sampling=True, oversample=3.0, max_rounds=2, max_staleness=4)
+        whole, _ = _fit(_module(**settings), 6, tmp_path / "a")
+        first, trainer = _fit(_module(**settings), 6, tmp_path / "b", [StopAt(3)], every=3)
+        assert trainer.lightning_module._pending and trainer.lightning_module.buffer.groups, "mid-batch, leftovers"
+        resumed, _ = _fit(_module(**settings), 6, tmp_path / "b", ckpt_path=str(tmp_path / "b" / "ckpt" / "last.ckpt"))
+        losses = {s: m["train/loss"] for s, m in whole.items()}
+        assert [first[s]["train/loss"] for s in (1, 2, 3)] == [losses[s] for s in (1, 2, 3)]
+        assert [resumed[s]["train/loss"] for s in (4, 5, 6)] == [losses[s] for s in (4, 5, 6)]
+        assert [resumed[s]["train/reward"] for s in (4, 5, 6)] == [whole[s]["train/reward"] for s in (4, 5, 6)]
+
+
+class TestRefusals:
+    def test_settings_out_of_range(self) -> None:
+        with pytest.raises(ConfigError, match="prompts_per_step must be >= 1"):
+            _module(prompts_per_step=0)
+        with pytest.raises(ConfigError, match="exceeds the samples"):
+            _module(mini_batches=13)
+        with pytest.raises(ConfigError, match="needs a reference"):
+            _module(objective=PolicyLossConfig(beta=0.1), reference="none")
+        with pytest.raises(ConfigError, match="overlong_buffer"):
+            _module(overlong_buffer=7)
+        with pytest.raises(ValueError, match="group_size"):
+            SamplingSettings(group_size=1)
+
+    def test_data_that_is_not_prompts(self, tmp_path) -> None:
+        datamodule = XTLDataModule([SourceSpec("tiny:sft_train.jsonl")], tokenizer="tiny:", pack_max_length=256)
+        with pytest.raises(ConfigError, match="kind: prompt"):
+            _fit(_module(), 1, tmp_path, datamodule=datamodule)
+
+    def test_adapters_off_without_lora(self, tmp_path) -> None:
+        with pytest.raises(ConfigError, match="adapters_off needs LoRA"):
+            _module(objective=PolicyLossConfig(beta=0.1), reference="adapters_off").configure_model()

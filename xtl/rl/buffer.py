@@ -1,0 +1,306 @@
+"""The replay buffer: rollout groups, their states, and the accounting of each produced batch.
+
+A prompt's ``group_size`` completions form a :class:`Group`. Each sample is in one :class:`SampleState`:
+
+- ``completed``: generated and judged; it can train;
+- ``failed``: its judging raised or timed out (its reward is unknown: the group's advantages leave it out);
+- ``filtered``: dynamic sampling dropped its group (every reward equal: no learning signal);
+- ``aborted``: its generation was cut off by the producer (the engine stopped it);
+- ``expired``: it waited in the buffer longer than ``max_staleness`` policy versions.
+
+:func:`produce_batch` collects ``num_groups`` trainable groups: leftovers from earlier rounds first (when still fresh
+enough), then new prompts, generated, judged and (with dynamic sampling) filtered, round after round until enough
+groups are in or ``max_rounds`` is spent. Groups beyond ``num_groups`` stay in the buffer for the next batch.
+:class:`ProduceStats` is what the round cost and left over, logged as ``rollout/...`` metrics.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from enum import Enum
+from typing import Any
+
+from xtl.rl.judger import BaseJudger, RolloutState
+from xtl.rl.rollout import Rollout, RolloutEngine, SamplingSettings
+
+
+class SampleState(str, Enum):
+    """Where a sample stands (see the module docstring)."""
+
+    COMPLETED = "completed"
+    FAILED = "failed"
+    FILTERED = "filtered"
+    ABORTED = "aborted"
+    EXPIRED = "expired"
+
+
+@dataclass
+class Sample:
+    """One completion of a prompt, judged.
+
+    Attributes:
+        prompt_ids: The prompt's token ids.
+        response_ids: The completion's token ids.
+        finish_reason: ``stop``, ``length`` or ``abort``.
+        reward: The judged score (``None`` when judging failed).
+        state: Its :class:`SampleState`.
+        response: The decoded completion.
+        error: Why judging failed.
+    """
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    finish_reason: str
+    reward: float | None = None
+    state: SampleState = SampleState.COMPLETED
+    response: str = ""
+    error: str | None = None
+
+
+@dataclass
+class Group:
+    """The completions of one prompt.
+
+    Attributes:
+        row: The prompt's row (``prompt``, ``answer``, ``data_source``, ``index``).
+        samples: Its completions.
+        version: The policy version (optimizer steps done) that sampled it.
+    """
+
+    row: dict[str, Any]
+    samples: list[Sample]
+    version: int
+
+    @property
+    def rewards(self) -> list[float]:
+        """The rewards of the samples that were judged."""
+        return [s.reward for s in self.samples if s.reward is not None]
+
+    @property
+    def has_signal(self) -> bool:
+        """Whether at least two judged rewards differ (else every advantage is 0)."""
+        rewards = self.rewards
+        return len(rewards) >= 2 and max(rewards) != min(rewards)
+
+    def mark(self, state: SampleState) -> None:
+        """Move every sample that was completed to ``state``."""
+        for sample in self.samples:
+            if sample.state == SampleState.COMPLETED:
+                sample.state = state
+
+
+@dataclass
+class ProduceStats:
+    """What producing one training batch took and left over.
+
+    Attributes:
+        generation_seconds: Wall time of each generation call.
+        states: Samples per final state, over every group this batch touched (trained, filtered, left over).
+        reward_sum: Sum of the judged rewards of the trained groups.
+        reward_count: Judged samples of the trained groups.
+        samples: Samples generated for this batch.
+        tokens: Completion tokens generated for this batch.
+        rounds: Generation rounds.
+        leftover_groups: Groups kept in the buffer for the next batch.
+        truncated: Completions cut at ``max_new_tokens`` among the trained ones.
+    """
+
+    generation_seconds: list[float] = field(default_factory=list)
+    states: Counter = field(default_factory=Counter)
+    reward_sum: float = 0.0
+    reward_count: int = 0
+    samples: int = 0
+    tokens: int = 0
+    rounds: int = 0
+    leftover_groups: int = 0
+    truncated: int = 0
+
+    def metrics(self) -> dict[str, float]:
+        """``rollout/...`` metrics: generation time percentiles, samples by state, rewards, samples and tokens."""
+        times = sorted(self.generation_seconds) or [0.0]
+        out = {
+            "rollout/gen_seconds_p50": _percentile(times, 50),
+            "rollout/gen_seconds_p90": _percentile(times, 90),
+            "rollout/gen_seconds_max": times[-1],
+            "rollout/reward_sum": self.reward_sum,
+            "rollout/reward_count": float(self.reward_count),
+            "rollout/reward_mean": self.reward_sum / max(self.reward_count, 1),
+            "rollout/samples": float(self.samples),
+            "rollout/tokens": float(self.tokens),
+            "rollout/rounds": float(self.rounds),
+            "rollout/leftover_groups": float(self.leftover_groups),
+            "rollout/truncated": float(self.truncated),
+        }
+        out.update({f"rollout/{state.value}": float(self.states.get(state, 0)) for state in SampleState})
+        return out
+
+
+class ReplayBuffer:
+    """Groups generated but not trained yet, and their ages.
+
+    Args:
+        max_staleness: A leftover group trains only while at most this many optimizer steps older than the policy
+            (older ones expire).
+    """
+
+    def __init__(self, max_staleness: int = 1) -> None:
+        self.max_staleness = max_staleness
+        self.groups: list[Group] = []
+
+    def take(self, count: int, version: int, stats: ProduceStats) -> list[Group]:
+        """Up to ``count`` fresh leftover groups, oldest first; stale ones expire (counted in ``stats``)."""
+        fresh, taken = [], []
+        for group in self.groups:
+            if version - group.version > self.max_staleness:
+                group.mark(SampleState.EXPIRED)
+                stats.states.update(s.state for s in group.samples)
+            else:
+                fresh.append(group)
+        taken, self.groups = fresh[:count], fresh[count:]
+        return taken
+
+    def put(self, groups: list[Group]) -> None:
+        """Keep ``groups`` for a later batch."""
+        self.groups.extend(groups)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The groups, as plain data (checkpointable)."""
+        return {
+            "max_staleness": self.max_staleness,
+            "groups": [{"row": g.row, "version": g.version, "samples": [_sample_dict(s) for s in g.samples]}
+                       for g in self.groups],
+        }  # fmt: skip
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+        self.groups = [
+            Group(g["row"], [Sample(**{**s, "state": SampleState(s["state"])}) for s in g["samples"]], g["version"])
+            for g in state.get("groups", [])
+        ]
+
+
+def produce_batch(
+    num_groups: int,
+    take_rows: Callable[[int], list[dict[str, Any]]],
+    render: Callable[[dict[str, Any]], list[int]],
+    decode: Callable[[list[int]], str],
+    engine: RolloutEngine,
+    judger: BaseJudger,
+    sampling: SamplingSettings,
+    buffer: ReplayBuffer,
+    version: int,
+    stop_token_ids: tuple[int, ...] = (),
+    dynamic_sampling: bool = False,
+    max_rounds: int = 1,
+    reward_shaping: Callable[[list[Group]], None] | None = None,
+    oversample: float = 1.0,
+) -> tuple[list[Group], ProduceStats]:
+    """Collect ``num_groups`` trainable groups (see the module docstring).
+
+    Args:
+        num_groups: Groups wanted.
+        take_rows: The next ``n`` prompt rows (every rank draws the same number per round).
+        render: A row's prompt token ids.
+        decode: Response text of response token ids (stop tokens removed).
+        engine: Samples completions.
+        judger: Scores them; a sample whose judging fails is ``failed``, not the batch.
+        sampling: Group size and sampling settings.
+        buffer: Leftover groups in, surplus groups out.
+        version: Optimizer steps done so far (a group's age is counted against it).
+        stop_token_ids: The tokenizer's and template's stop tokens.
+        dynamic_sampling: Drop groups whose judged rewards are all equal (``filtered``) and draw more prompts.
+        max_rounds: Generation rounds at most (with dynamic sampling, fewer groups than wanted may come back).
+        reward_shaping: Adjusts the groups' rewards after judging (e.g. the overlong penalty), before filtering.
+        oversample: Each round draws ``ceil(missing groups x oversample)`` prompts (above 1 with dynamic sampling,
+            so that one round usually brings enough; the surplus waits in the buffer).
+
+    Returns:
+        The groups to train on (at most ``num_groups``) and the accounting.
+    """
+    stats = ProduceStats()
+    groups = buffer.take(num_groups, version, stats)
+    for _ in range(max_rounds):
+        if len(groups) >= num_groups:
+            break
+        stats.rounds += 1
+        rows = take_rows(math.ceil((num_groups - len(groups)) * oversample))
+        fresh = _generate_groups(rows, render, decode, engine, sampling, version, stop_token_ids, stats)
+        _judge(fresh, judger)
+        if reward_shaping is not None:
+            reward_shaping(fresh)
+        for group in fresh:
+            if dynamic_sampling and not group.has_signal:
+                group.mark(SampleState.FILTERED)
+                stats.states.update(s.state for s in group.samples)
+            else:
+                groups.append(group)
+    groups, surplus = groups[:num_groups], groups[num_groups:]
+    buffer.put(surplus)
+    stats.leftover_groups = len(buffer.groups)
+    for group in groups:
+        stats.states.update(s.state for s in group.samples)
+        stats.reward_sum += sum(group.rewards)
+        stats.reward_count += len(group.rewards)
+        stats.truncated += sum(s.finish_reason == "length" for s in group.samples)
+    return groups, stats
+
+
+# ---- private ---------------------------------------------------------------------------------------------------
+
+
+def _generate_groups(
+    rows: list[dict[str, Any]],
+    render: Callable[[dict[str, Any]], list[int]],
+    decode: Callable[[list[int]], str],
+    engine: RolloutEngine,
+    sampling: SamplingSettings,
+    version: int,
+    stop_token_ids: tuple[int, ...],
+    stats: ProduceStats,
+) -> list[Group]:
+    prompts = [render(row) for row in rows]
+    size = sampling.group_size
+    began = time.perf_counter()
+    rollouts = engine.generate([p for p in prompts for _ in range(size)], sampling, stop_token_ids)
+    stats.generation_seconds.append(time.perf_counter() - began)
+    stats.samples += len(rollouts)
+    stats.tokens += sum(len(r.response_ids) for r in rollouts)
+    stop = set(stop_token_ids) | set(sampling.stop_token_ids)
+    groups = []
+    for i, row in enumerate(rows):
+        samples = [_sample(r, decode, stop) for r in rollouts[i * size : (i + 1) * size]]
+        groups.append(Group(row, samples, version))
+    return groups
+
+
+def _sample(rollout: Rollout, decode: Callable[[list[int]], str], stop: set[int]) -> Sample:
+    state = SampleState.ABORTED if rollout.finish_reason == "abort" else SampleState.COMPLETED
+    text = decode([t for t in rollout.response_ids if t not in stop])
+    return Sample(rollout.prompt_ids, rollout.response_ids, rollout.finish_reason, state=state, response=text)
+
+
+def _judge(groups: list[Group], judger: BaseJudger) -> None:
+    pending = [(g, s) for g in groups for s in g.samples if s.state == SampleState.COMPLETED]
+    states = [
+        RolloutState(s.response, g.row.get("answer"), g.row.get("data_source", "default"), g.row.get("prompt"))
+        for g, s in pending
+    ]
+    for (_, sample), state in zip(pending, judger.judge_sync(states), strict=True):
+        if state.status == "failed" or state.reward is None:
+            sample.state, sample.error = SampleState.FAILED, state.error
+        else:
+            sample.reward = float(state.reward["score"])
+
+
+def _sample_dict(sample: Sample) -> dict[str, Any]:
+    return {**asdict(sample), "state": sample.state.value}
+
+
+def _percentile(values: list[float], q: float) -> float:
+    position = (len(values) - 1) * q / 100
+    low, high = math.floor(position), math.ceil(position)
+    return values[low] + (values[high] - values[low]) * (position - low)

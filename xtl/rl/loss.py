@@ -1,0 +1,209 @@
+"""Policy-gradient losses of group-relative RL: GRPO, BNPO, Dr.GRPO, DAPO and GSPO (TRL's formulas).
+
+Every function works on padded ``(B, T)`` completion tensors: the per-token log-probabilities of the policy being
+trained (``logps``), of the policy that sampled the completions (``old_logps``) and, for the KL term, of the
+reference (``ref_logps``); ``mask`` is 1 on the completion tokens. :func:`policy_loss` returns a *sum* and the count
+it is normalized by, so that a step split over micro-batches and ranks divides once, by the step's total
+(:func:`xtl.train.step.forward_backward`):
+
+=========  ======================================================  =================================
+loss_type  per batch                                               normalized by
+=========  ======================================================  =================================
+grpo       sum over sequences of the token mean of the sequence     sequences
+bnpo       sum over tokens                                          completion tokens
+dr_grpo    sum over tokens                                          sequences x ``max_completion_length``
+dapo       sum over tokens                                          completion tokens of the whole step
+=========  ======================================================  =================================
+
+(``bnpo`` and ``dapo`` differ in TRL only in how gradient accumulation rescales them; here both divide by the
+step's tokens.) The importance ratio is per token, or per sequence (GSPO: the exponent of the mean log-ratio of
+the sequence, ``importance_sampling: sequence``), clipped to ``[1 - epsilon_low, 1 + epsilon_high]`` (DAPO's
+clip-higher sets ``epsilon_high`` above ``epsilon_low``). With ``beta > 0`` the k3 estimator of the KL divergence
+to the reference is added per token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+IMPORTANCE_LEVELS = ("token", "sequence")
+REWARD_SCALINGS = ("group", "batch", "none")
+STD_EPS = 1e-4  # added to the reward std before dividing (TRL's constant)
+
+
+@dataclass
+class PolicyLossConfig:
+    """The policy objective.
+
+    Args:
+        loss_type: ``grpo`` (token mean per sequence, averaged over sequences), ``bnpo`` (token mean over the batch),
+            ``dr_grpo`` (token sum over sequences x ``max_new_tokens``: no length bias), ``dapo`` (token mean over
+            the whole step).
+        importance_sampling: ``token`` (PPO's per-token ratio) or ``sequence`` (GSPO: one ratio per sequence, the
+            exponent of its mean log-ratio).
+        epsilon_low: The ratio is clipped below at ``1 - epsilon_low``.
+        epsilon_high: The ratio is clipped above at ``1 + epsilon_high`` (``None``: ``epsilon_low``; DAPO's
+            clip-higher uses 0.28 with 0.2).
+        beta: Weight of the k3 KL estimate to the reference per token (0: no reference is needed).
+        scale_rewards: Advantages are the reward minus its group mean, divided by the reward std of the ``group``,
+            of the ``batch``, or not at all (``none``: Dr.GRPO).
+
+    Raises:
+        ValueError: Naming the first setting out of range.
+    """
+
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "grpo"
+    importance_sampling: Literal["token", "sequence"] = "token"
+    epsilon_low: float = 0.2
+    epsilon_high: float | None = None
+    beta: float = 0.0
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+
+    def __post_init__(self) -> None:
+        for name, value, allowed in (
+            ("loss_type", self.loss_type, LOSS_TYPES),
+            ("importance_sampling", self.importance_sampling, IMPORTANCE_LEVELS),
+            ("scale_rewards", self.scale_rewards, REWARD_SCALINGS),
+        ):
+            if value not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
+        if self.epsilon_high is None:
+            self.epsilon_high = self.epsilon_low
+        if not 0 <= self.epsilon_low < 1 or self.epsilon_high < 0:
+            raise ValueError(
+                f"epsilon_low must be in [0, 1) and epsilon_high >= 0, got {self.epsilon_low}, {self.epsilon_high}"
+            )
+        if self.beta < 0:
+            raise ValueError(f"beta must be >= 0, got {self.beta}")
+
+
+torch.serialization.add_safe_globals([PolicyLossConfig])  # a hyperparameter in checkpoints (weights_only loads)
+
+
+@dataclass
+class PolicyLoss:
+    """What :func:`policy_loss` returns for one batch.
+
+    Attributes:
+        loss_sum: The loss summed as the loss type says (divide by the step's ``num_items``).
+        num_items: This batch's share of the normalizer (sequences, tokens, or sequences x max length).
+        stats: Sums for the step's metrics: ``tokens``, ``clip_low``, ``clip_high``, ``clip_region`` (clipped
+            tokens, or sequences under ``sequence`` importance, then counted per token), ``kl`` (k3, over tokens;
+            only with a reference), ``ratio`` (the importance ratio over tokens).
+    """
+
+    loss_sum: torch.Tensor
+    num_items: torch.Tensor
+    stats: dict[str, torch.Tensor]
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group") -> torch.Tensor:
+    """Group-relative advantages of ``rewards`` ``(N * group_size,)``, groups contiguous, ``NaN`` for samples
+    without a reward (their advantage is ``NaN``: they do not train; the others' statistics leave them out).
+
+    ``reward - mean(group)``, divided by ``std + 1e-4`` (unbiased std of the group, or of the whole batch; not at
+    all for ``scale="none"``), as TRL's ``GRPOTrainer`` computes them (``nanmean``, ``nanstd``).
+    """
+    grouped = rewards.view(-1, group_size)
+    advantages = (grouped - grouped.nanmean(dim=1, keepdim=True)).reshape(-1)
+    if scale == "group":
+        advantages = advantages / (_nanstd(grouped, dim=1).repeat_interleave(group_size) + STD_EPS)
+    elif scale == "batch":
+        advantages = advantages / (_nanstd(rewards.reshape(1, -1), dim=1) + STD_EPS)
+    elif scale != "none":
+        raise ValueError(f"scale must be one of {', '.join(REWARD_SCALINGS)}, got {scale!r}")
+    return advantages
+
+
+def overlong_penalty(lengths: torch.Tensor, max_new_tokens: int, buffer: int, factor: float = 1.0) -> torch.Tensor:
+    """DAPO's soft overlong punishment: 0 up to ``max_new_tokens - buffer`` tokens, then falling linearly to
+    ``-factor`` at ``max_new_tokens`` (and ``-factor`` beyond)."""
+    if not 0 < buffer <= max_new_tokens:
+        raise ValueError(f"the overlong buffer must be in (0, max_new_tokens={max_new_tokens}], got {buffer}")
+    free = max_new_tokens - buffer
+    lengths = lengths.to(torch.float64)
+    ramp = (free - lengths) / buffer * factor
+    return torch.where(lengths <= free, torch.zeros_like(ramp), ramp.clamp(min=-factor))
+
+
+def k3_kl(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
+    """The k3 estimate of ``KL(policy || reference)`` per token: ``exp(r - p) - (r - p) - 1``."""
+    delta = ref_logps - logps
+    return torch.exp(delta) - delta - 1
+
+
+def policy_loss(
+    logps: torch.Tensor,
+    old_logps: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    config: PolicyLossConfig,
+    ref_logps: torch.Tensor | None = None,
+    max_completion_length: int | None = None,
+) -> PolicyLoss:
+    """The clipped policy-gradient loss of one batch of completions.
+
+    Args:
+        logps: ``(B, T)`` log-probabilities of the completion tokens under the policy being trained.
+        old_logps: ``(B, T)`` the same under the policy that sampled them (no gradient).
+        advantages: ``(B,)`` one advantage per completion.
+        mask: ``(B, T)`` 1 on completion tokens, 0 on padding.
+        config: The objective.
+        ref_logps: ``(B, T)`` the reference's log-probabilities (needed when ``config.beta > 0``).
+        max_completion_length: The constant length of ``dr_grpo``'s normalizer.
+
+    Returns:
+        PolicyLoss: The summed loss, its normalizer and metric sums.
+
+    Raises:
+        ValueError: ``beta > 0`` without ``ref_logps``; ``dr_grpo`` without ``max_completion_length``.
+    """
+    mask = mask.to(logps.dtype)
+    tokens = mask.sum(-1)
+    log_ratio = logps - old_logps
+    if config.importance_sampling == "sequence":
+        log_ratio = ((log_ratio * mask).sum(-1) / tokens.clamp(min=1.0)).unsqueeze(-1)
+    ratio = torch.exp(log_ratio)
+    adv = advantages.to(logps.dtype).unsqueeze(-1)
+    clipped = torch.clamp(ratio, 1 - config.epsilon_low, 1 + config.epsilon_high)
+    per_token = -torch.min(ratio * adv, clipped * adv)
+    stats: dict[str, torch.Tensor] = {}
+    if config.beta:
+        if ref_logps is None:
+            raise ValueError("beta > 0 needs the reference's log-probabilities (ref_logps)")
+        kl = k3_kl(logps, ref_logps)
+        per_token = per_token + config.beta * kl
+        stats["kl"] = (kl * mask).sum().detach()
+    per_token = per_token.expand_as(logps) * mask
+    if config.loss_type == "grpo":
+        loss_sum = (per_token.sum(-1) / tokens.clamp(min=1.0)).sum()
+        num_items = torch.tensor(float(logps.shape[0]), device=logps.device)
+    elif config.loss_type == "dr_grpo":
+        if max_completion_length is None:
+            raise ValueError("dr_grpo needs max_completion_length (the sampling's max_new_tokens)")
+        loss_sum = per_token.sum()
+        num_items = torch.tensor(float(logps.shape[0] * max_completion_length), device=logps.device)
+    else:  # bnpo, dapo: over tokens
+        loss_sum = per_token.sum()
+        num_items = tokens.sum().detach()
+    low = ((ratio < 1 - config.epsilon_low) & (adv < 0)).to(mask.dtype).expand_as(mask) * mask
+    high = ((ratio > 1 + config.epsilon_high) & (adv > 0)).to(mask.dtype).expand_as(mask) * mask
+    stats.update(
+        tokens=tokens.sum().detach(),
+        clip_low=low.sum().detach(),
+        clip_high=high.sum().detach(),
+        clip_region=(low + high).sum().detach(),
+        ratio=(ratio.detach().expand_as(mask) * mask).sum(),
+    )
+    return PolicyLoss(loss_sum, num_items, stats)
+
+
+def _nanstd(values: torch.Tensor, dim: int) -> torch.Tensor:
+    """Unbiased standard deviation over ``dim`` ignoring ``NaN`` (``NaN`` with fewer than two values)."""
+    count = (~values.isnan()).sum(dim)
+    variance = ((values - values.nanmean(dim, keepdim=True)) ** 2).nansum(dim) / (count - 1).clamp(min=0)
+    return variance.sqrt()
