@@ -16,7 +16,14 @@ from xtl.rl.judger import (
 )
 from xtl.rl.loss import PolicyLossConfig
 from xtl.rl.module import GRPOModule
-from xtl.rl.rollout import LocalRolloutEngine, Rollout, RolloutEngine, SamplingSettings
+from xtl.rl.rollout import (
+    LocalRolloutEngine,
+    Rollout,
+    RolloutEngine,
+    SamplingSettings,
+    VLLMRolloutEngine,
+    VLLMSettings,
+)
 
 __all__ = [
     "BaseJudger",
@@ -35,4 +42,6 @@ __all__ = [
     "RolloutState",
     "SamplingSettings",
     "SyncJudger",
+    "VLLMRolloutEngine",
+    "VLLMSettings",
 ]

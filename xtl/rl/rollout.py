@@ -166,3 +166,137 @@ class LocalRolloutEngine(RolloutEngine):
             self._generator = torch.Generator(device=device).manual_seed(seed)
             self._seed = seed
         return self._generator
+
+
+@dataclass
+class VLLMSettings:
+    """The vLLM engine of :class:`VLLMRolloutEngine` (``pip install vllm``; a GPU).
+
+    Args:
+        gpu_memory_utilization: Share of the GPU's memory vLLM takes (weights, KV cache), beside training.
+        tensor_parallel_size: GPUs one engine spans.
+        max_model_len: Longest prompt + completion (``None``: the model's).
+        enable_sleep_mode: Free vLLM's memory between rollouts (woken before each generation).
+        dtype: The engine's weight dtype.
+    """
+
+    gpu_memory_utilization: float = 0.3
+    tensor_parallel_size: int = 1
+    max_model_len: int | None = None
+    enable_sleep_mode: bool = False
+    dtype: str = "bfloat16"
+
+
+torch.serialization.add_safe_globals([VLLMSettings])  # a hyperparameter in checkpoints (weights_only loads)
+
+
+class VLLMRolloutEngine(RolloutEngine):
+    """A vLLM engine in this process (colocated with training) that samples with the policy's weights.
+
+    :meth:`sync_weights` streams the policy's parameters, under their Hugging Face names (gathered whole from their
+    shards), into the engine after every optimizer step and resets its prefix cache. Each rollout carries vLLM's
+    log-probability of its tokens, after temperature and top-k/top-p (``logprobs_mode="processed_logprobs"``), so the
+    trainer can correct for the numeric gap between engine and trainer (truncated importance sampling).
+
+    Args:
+        model_path: The policy's HF directory (the engine starts from it).
+        settings: Engine settings.
+        seed: Sampling seed.
+        llm: An engine to use instead of starting one (any object with vLLM's ``LLM.generate`` and the weight
+            loader: tests pass a stand-in).
+        params_class: What builds the sampling parameters (default ``vllm.SamplingParams``).
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        settings: VLLMSettings | None = None,
+        seed: int = 0,
+        llm: Any = None,
+        params_class: Any = None,
+    ) -> None:
+        self.settings = settings or VLLMSettings()
+        self.seed = seed
+        self._calls = 0
+        self.llm = llm if llm is not None else self._start(model_path)
+        self._params_class = params_class
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], sampling: SamplingSettings, stop_token_ids: Sequence[int] = ()
+    ) -> list[Rollout]:
+        """Sample one completion per prompt with vLLM (seeded per call, so a resumed run samples the same)."""
+        if self.settings.enable_sleep_mode:
+            self.llm.wake_up()
+        params = self._sampling_params(sampling, stop_token_ids)
+        began = time.perf_counter()
+        outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
+        seconds = time.perf_counter() - began
+        self._calls += 1
+        rollouts = []
+        for prompt, output in zip(prompts, outputs, strict=True):
+            completion = output.outputs[0]
+            ids = list(completion.token_ids)
+            logprobs = [float(step[token].logprob) for step, token in zip(completion.logprobs or [], ids, strict=True)]
+            reason = {"stop": "stop", "length": "length"}.get(str(completion.finish_reason), "abort")
+            rollouts.append(Rollout(list(prompt), ids, reason, logprobs if completion.logprobs else None, seconds))
+        if self.settings.enable_sleep_mode:
+            self.llm.sleep(level=1)
+        return rollouts
+
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        """Stream ``model``'s weights (HF names, whole tensors) into the engine, then reset its prefix cache."""
+        loader = self.llm.llm_engine.model_executor.driver_worker.model_runner.model
+        for name, tensor in hf_named_tensors(model):
+            loader.load_weights([(name, tensor)])
+        self.llm.reset_prefix_cache()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The generation calls made (each call's seed derives from it)."""
+        return {"calls": self._calls}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+        self._calls = int(state.get("calls", 0))
+
+    def _sampling_params(self, sampling: SamplingSettings, stop_token_ids: Sequence[int]) -> Any:
+        if self._params_class is None:
+            from vllm import SamplingParams
+
+            self._params_class = SamplingParams
+        return self._params_class(
+            n=1,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k if sampling.top_k > 0 else -1,
+            max_tokens=sampling.max_new_tokens,
+            stop_token_ids=sorted({*sampling.stop_token_ids, *stop_token_ids}),
+            logprobs=0,
+            seed=sampling.seed * 1_000_003 + self._calls,
+        )
+
+    def _start(self, model_path: str) -> Any:
+        try:
+            from vllm import LLM
+        except ImportError as err:
+            raise ImportError("the vllm rollout engine needs vLLM on a GPU machine: pip install vllm") from err
+        settings = self.settings
+        return LLM(
+            model=model_path,
+            tensor_parallel_size=settings.tensor_parallel_size,
+            gpu_memory_utilization=settings.gpu_memory_utilization,
+            max_model_len=settings.max_model_len,
+            enable_sleep_mode=settings.enable_sleep_mode,
+            dtype=settings.dtype,
+            seed=self.seed,
+            distributed_executor_backend="external_launcher",
+            logprobs_mode="processed_logprobs",
+        )
+
+
+def hf_named_tensors(model: torch.nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
+    """``(HF name, whole tensor)`` of every weight of an xtl model, tied weights once (sharded ones gathered)."""
+    from torch.distributed.tensor import DTensor
+
+    for key, tensor in model.checkpoint_tensors().items():
+        whole = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        yield from zip(model.hf_keys(key), model.param_to_hf(key, whole.detach()), strict=True)
