@@ -151,3 +151,52 @@ class TestMoEBlock:
         d = LocalDispatcher(4).dispatch(torch.arange(3.0)[:, None], ids, torch.ones(3, 2))
         assert d.tokens_per_expert.tolist() == [2, 2, 2, 0]
         assert d.hidden_states[:, 0].tolist() == [1.0, 0.0, 1.0, 2.0, 0.0, 2.0]
+
+
+class TestRoutingReplay:
+    ROUTERS = {
+        "softmax_topk": lambda: SoftmaxTopKRouter(16, 8, 2),
+        "noaux": lambda: NoAuxTopKRouter(16, 8, 2, n_group=2, topk_group=1, routed_scaling_factor=2.5),
+        "topk_softmax": lambda: TopKSoftmaxRouter(16, 8, 2),
+    }
+
+    @pytest.mark.parametrize("kind", ROUTERS)
+    def test_rerouting_to_the_chosen_experts_changes_nothing(self, kind) -> None:
+        torch.manual_seed(0)
+        router = self.ROUTERS[kind]()
+        for param in router.parameters():
+            torch.nn.init.normal_(param)
+        out = router(torch.randn(5, 16))
+        again = router.reroute(out, out.topk_ids)
+        assert torch.equal(again.topk_weights, out.topk_weights) and torch.equal(again.topk_ids, out.topk_ids)
+
+    @pytest.mark.parametrize("kind", ROUTERS)
+    def test_forced_experts_get_the_routers_weights_with_gradient(self, kind) -> None:
+        torch.manual_seed(0)
+        router = self.ROUTERS[kind]()
+        for param in router.parameters():
+            torch.nn.init.normal_(param)
+        out = router(torch.randn(5, 16))
+        forced = (out.topk_ids + 1) % 8
+        rerouted = router.reroute(out, forced)
+        assert torch.equal(rerouted.topk_ids, forced)
+        rerouted.topk_weights.sum().backward()
+        assert router.weight.grad is not None and router.weight.grad.abs().sum() > 0
+
+    def test_a_block_records_and_replays(self) -> None:
+        torch.manual_seed(0)
+        router = SoftmaxTopKRouter(16, 8, 2)
+        torch.nn.init.normal_(router.weight)
+        block = MoEBlock(router, GroupedExperts(8, 16, 8))
+        for param in block.experts.parameters():
+            torch.nn.init.normal_(param, std=0.1)
+        x = torch.randn(1, 5, 16)
+        block.record_routing(True)
+        _, natural = block(x)
+        block.record_routing(False)
+        assert torch.equal(block.recorded, natural.topk_ids)
+        block.replay_routing((natural.topk_ids + 3) % 8)
+        _, replayed = block(x)
+        assert torch.equal(replayed.topk_ids, (natural.topk_ids + 3) % 8)
+        block.replay_routing(None)
+        assert torch.equal(block(x)[1].topk_ids, natural.topk_ids)

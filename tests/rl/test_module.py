@@ -187,3 +187,48 @@ class TestRefusals:
     def test_adapters_off_without_lora(self, tmp_path) -> None:
         with pytest.raises(ConfigError, match="adapters_off needs LoRA"):
             _module(objective=PolicyLossConfig(beta=0.1), reference="adapters_off").configure_model()
+
+
+class DispatchLog(pl.Callback):
+    """The experts each MoE layer's router would choose and the ones its tokens were sent to, per forward."""
+
+    def __init__(self) -> None:
+        self.natural: list[torch.Tensor] = []
+        self.dispatched: list[torch.Tensor] = []
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        block = pl_module.model.moe_blocks()[0]
+        gate_forward, dispatch = block.gate.forward, block.dispatcher.dispatch
+
+        def gate(hidden):
+            out = gate_forward(hidden)
+            self.natural.append(out.topk_ids.clone())
+            return out
+
+        def send(hidden, ids, weights):
+            self.dispatched.append(ids.clone())
+            return dispatch(hidden, ids, weights)
+
+        block.gate.forward, block.dispatcher.dispatch = gate, send
+
+
+class TestRoutingReplay:
+    MOE = {**MODEL, "model_type": "qwen3_moe", "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 16}
+
+    def test_the_updates_route_as_the_rollout_forward_did(self, tmp_path) -> None:
+        log = DispatchLog()
+        module = GRPOModule(
+            self.MOE, judger=FunctionJudger(varied_reward), sampling=SamplingSettings(group_size=4, max_new_tokens=6),
+            prompts_per_step=3, mini_batches=2, routing_replay=True, optimizer=AdamWConfig(lr=5e-2),
+            schedule=ScheduleConfig(warmup_steps=0, kind="constant"),
+        )  # fmt: skip
+        steps, _ = _fit(module, 2, tmp_path, [log])
+        assert steps[1]["train/ratio"] == 1.0
+        # forwards of the first rollout batch: decoding, then the old log-probabilities (recorded), update 1, update 2
+        recorded, second = log.dispatched[-3], log.dispatched[-1]
+        assert torch.equal(second, recorded), "the second update is routed as recorded"
+        assert not torch.equal(log.natural[-1], recorded), "while its router would now choose other experts"
+
+    def test_refused_without_routed_experts(self) -> None:
+        with pytest.raises(ConfigError, match="no routed experts"):
+            _module(routing_replay=True).configure_model()

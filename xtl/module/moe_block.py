@@ -35,6 +35,20 @@ class MoEBlock(nn.Module):
         self.experts = experts
         self.shared_experts = shared_experts
         self.dispatcher = dispatcher or LocalDispatcher(gate.num_experts)
+        self.recording = False
+        self.recorded: torch.Tensor | None = None
+        self.forced_ids: torch.Tensor | None = None
+
+    def record_routing(self, on: bool) -> None:
+        """Keep the experts each forward chooses in :attr:`recorded` (``(N, k)``, the last forward's) while on."""
+        self.recording = on
+        if on:
+            self.recorded = None
+
+    def replay_routing(self, topk_ids: torch.Tensor | None) -> None:
+        """Route the next forwards' tokens to these experts (``(N, k)``; ``None``: the router chooses again). The
+        combine weights are the router's current ones for the forced experts, so the router still trains."""
+        self.forced_ids = topk_ids
 
     @property
     def num_experts(self) -> int:
@@ -53,6 +67,10 @@ class MoEBlock(nn.Module):
         """Apply the block to ``(B, T, C)``; returns the output and the routing of the ``B*T`` tokens."""
         shape = hidden_states.shape
         routing = self.gate(hidden_states.view(-1, shape[-1]))
+        if self.forced_ids is not None:
+            routing = self.gate.reroute(routing, self.forced_ids.to(routing.topk_ids.device))
+        if self.recording:
+            self.recorded = routing.topk_ids.detach().clone()
         dispatched = self.dispatcher.dispatch(
             hidden_states.view(-1, shape[-1]), routing.topk_ids, routing.topk_weights
         )

@@ -70,6 +70,11 @@ class Router(nn.Module):
         """Gate logits through :func:`xtl.ops.get_router_logits_fn` (fp32, or the model dtype as transformers)."""
         return get_router_logits_fn()(hidden_states, self.weight, self.bias)
 
+    def reroute(self, routing: RouterOutput, topk_ids: torch.Tensor) -> RouterOutput:
+        """``routing`` sent to the experts ``topk_ids`` ``(N, k)`` instead (routing replay), with this router's
+        combine weights for them (computed from ``routing.logits``, so they keep their gradient)."""
+        raise TypeError(f"{type(self).__name__} does not define reroute")
+
     def update_bias(self, tokens_per_expert: torch.Tensor, lr: float | torch.Tensor) -> None:  # noqa: B027
         """Aux-loss-free balancing step (routers with a correction bias; default: nothing to update)."""
 
@@ -93,6 +98,15 @@ class SoftmaxTopKRouter(Router):
         logits = self.selected_logits(hidden_states)
         probs = F.softmax(logits, dtype=torch.float, dim=-1)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        return self._output(logits, probs, ids, weights)
+
+    def reroute(self, routing: RouterOutput, topk_ids: torch.Tensor) -> RouterOutput:
+        """The forced experts with their (renormalized) probabilities."""
+        return self._output(routing.logits, routing.probs, topk_ids, routing.probs.gather(1, topk_ids))
+
+    def _output(
+        self, logits: torch.Tensor, probs: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+    ) -> RouterOutput:
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         weights = weights.to(logits.dtype)  # as transformers; a no-op for fp32 logits
@@ -115,6 +129,12 @@ class TopKSoftmaxRouter(Router):
         weights = F.softmax(top_values, dim=1, dtype=top_values.dtype)
         probs = F.softmax(logits, dim=-1, dtype=torch.float)
         return RouterOutput(logits=logits, probs=probs, topk_ids=ids, topk_weights=weights)
+
+    def reroute(self, routing: RouterOutput, topk_ids: torch.Tensor) -> RouterOutput:
+        """The forced experts, softmax over their logits."""
+        values = routing.logits.gather(1, topk_ids)
+        weights = F.softmax(values, dim=1, dtype=values.dtype)
+        return RouterOutput(logits=routing.logits, probs=routing.probs, topk_ids=topk_ids, topk_weights=weights)
 
 
 class NoAuxTopKRouter(Router):
@@ -173,6 +193,13 @@ class NoAuxTopKRouter(Router):
         score_mask = group_mask.unsqueeze(-1).expand(-1, self.n_group, per_group).reshape(-1, self.num_experts)
         choice = choice.masked_fill(~score_mask.bool(), float("-inf"))
         ids = torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1]
+        return self._output(logits, scores, ids)
+
+    def reroute(self, routing: RouterOutput, topk_ids: torch.Tensor) -> RouterOutput:
+        """The forced experts with their (renormalized, scaled) sigmoid scores."""
+        return self._output(routing.logits, routing.logits.sigmoid(), topk_ids)
+
+    def _output(self, logits: torch.Tensor, scores: torch.Tensor, ids: torch.Tensor) -> RouterOutput:
         weights = scores.gather(1, ids)
         if self.norm_topk_prob:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)

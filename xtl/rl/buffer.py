@@ -50,6 +50,7 @@ class Sample:
         state: Its :class:`SampleState`.
         response: The decoded completion.
         error: Why judging failed.
+        logprobs: The engine's log-probability of each completion token (``None`` when it gives none).
     """
 
     prompt_ids: list[int]
@@ -59,6 +60,7 @@ class Sample:
     state: SampleState = SampleState.COMPLETED
     response: str = ""
     error: str | None = None
+    logprobs: list[float] | None = None
 
 
 @dataclass
@@ -280,7 +282,10 @@ def _generate_groups(
 def _sample(rollout: Rollout, decode: Callable[[list[int]], str], stop: set[int]) -> Sample:
     state = SampleState.ABORTED if rollout.finish_reason == "abort" else SampleState.COMPLETED
     text = decode([t for t in rollout.response_ids if t not in stop])
-    return Sample(rollout.prompt_ids, rollout.response_ids, rollout.finish_reason, state=state, response=text)
+    return Sample(
+        rollout.prompt_ids, rollout.response_ids, rollout.finish_reason, state=state, response=text,
+        logprobs=rollout.logprobs,
+    )  # fmt: skip
 
 
 def _judge(groups: list[Group], judger: BaseJudger) -> None:

@@ -144,6 +144,7 @@ def policy_loss(
     config: PolicyLossConfig,
     ref_logps: torch.Tensor | None = None,
     max_completion_length: int | None = None,
+    token_weights: torch.Tensor | None = None,
 ) -> PolicyLoss:
     """The clipped policy-gradient loss of one batch of completions.
 
@@ -155,6 +156,8 @@ def policy_loss(
         config: The objective.
         ref_logps: ``(B, T)`` the reference's log-probabilities (needed when ``config.beta > 0``).
         max_completion_length: The constant length of ``dr_grpo``'s normalizer.
+        token_weights: ``(B, T)`` weights of the policy term per token (the truncated importance-sampling correction
+            of an engine whose numerics differ from the trainer's), applied before the KL term as TRL does.
 
     Returns:
         PolicyLoss: The summed loss, its normalizer and metric sums.
@@ -171,6 +174,8 @@ def policy_loss(
     adv = advantages.to(logps.dtype).unsqueeze(-1)
     clipped = torch.clamp(ratio, 1 - config.epsilon_low, 1 + config.epsilon_high)
     per_token = -torch.min(ratio * adv, clipped * adv)
+    if token_weights is not None:
+        per_token = per_token * token_weights
     stats: dict[str, torch.Tensor] = {}
     if config.beta:
         if ref_logps is None:

@@ -31,10 +31,9 @@ from xtl.module.lora import adapters_disabled, lora_layers
 from xtl.rl.buffer import Group, ProduceStats, ReplayBuffer, SampleState, produce_batch
 from xtl.rl.judger import BaseJudger, MathJudger, RolloutState
 from xtl.rl.loss import PolicyLossConfig, group_advantages, overlong_penalty, policy_loss
-from xtl.rl.rollout import LocalRolloutEngine, RolloutEngine, SamplingSettings
+from xtl.rl.rollout import LocalRolloutEngine, RolloutEngine, SamplingSettings, VLLMRolloutEngine, VLLMSettings
 from xtl.train.base import LanguageModule
 from xtl.train.generation import chat_prompt_ids, generate, split_thinking, stop_token_ids
-from xtl.train.optim import AdamWConfig, OptimizerConfig, ScheduleConfig
 
 ReferenceMode = Literal["auto", "live", "adapters_off", "none"]
 POLICY_METRICS = ("clip_low", "clip_high", "clip_region", "ratio", "kl", "entropy")
@@ -53,6 +52,9 @@ class RLMicroBatch:
         old_logps: ``(B, T)`` the sampling policy's log-probabilities (set once the batch is produced).
         ref_logps: ``(B, T)`` the reference's (with a KL term).
         num_items: This micro-batch's share of the loss normalizer.
+        sampling_logps: ``(B, T)`` the rollout engine's log-probabilities (engines that return them, e.g. vLLM).
+        routed_experts: Per MoE layer, the ``(N, k)`` experts its tokens went to when the old log-probabilities were
+            computed (routing replay).
         sequences: ``(prompt ids, completion ids)`` of each sequence (what a checkpoint keeps).
     """
 
@@ -64,6 +66,8 @@ class RLMicroBatch:
     old_logps: torch.Tensor | None = None
     ref_logps: torch.Tensor | None = None
     num_items: float = 0.0
+    sampling_logps: torch.Tensor | None = None
+    routed_experts: list[torch.Tensor] | None = None
     sequences: list[tuple[list[int], list[int]]] | None = None
 
     @property
@@ -79,7 +83,8 @@ class RLMicroBatch:
     def to(self, device: torch.device | str) -> RLMicroBatch:
         """This micro-batch on ``device``."""
         move = {k: None if v is None else v.to(device) for k, v in self._tensors().items()}
-        return replace(self, batch=self.batch.to(device), **move)
+        routed = None if self.routed_experts is None else [ids.to(device) for ids in self.routed_experts]
+        return replace(self, batch=self.batch.to(device), routed_experts=routed, **move)
 
     def state(self) -> dict[str, Any]:
         """Plain data for a checkpoint: the sequences, advantages, log-probabilities and normalizer share."""
@@ -88,6 +93,8 @@ class RLMicroBatch:
             "advantages": self.advantages.cpu(),
             "old_logps": None if self.old_logps is None else self.old_logps.cpu(),
             "ref_logps": None if self.ref_logps is None else self.ref_logps.cpu(),
+            "sampling_logps": None if self.sampling_logps is None else self.sampling_logps.cpu(),
+            "routed_experts": None if self.routed_experts is None else [ids.cpu() for ids in self.routed_experts],
             "num_items": self.num_items,
         }
 
@@ -96,10 +103,12 @@ class RLMicroBatch:
         """Rebuild a micro-batch from :meth:`state`."""
         mb = pack_sequences(state["sequences"], state["advantages"].tolist())
         mb.old_logps, mb.ref_logps, mb.num_items = state["old_logps"], state["ref_logps"], float(state["num_items"])
+        mb.sampling_logps, mb.routed_experts = state.get("sampling_logps"), state.get("routed_experts")
         return mb
 
     def _tensors(self) -> dict[str, torch.Tensor | None]:
-        return {k: getattr(self, k) for k in ("positions", "rows", "mask", "advantages", "old_logps", "ref_logps")}
+        names = ("positions", "rows", "mask", "advantages", "old_logps", "ref_logps", "sampling_logps")
+        return {k: getattr(self, k) for k in names}
 
 
 class GRPOModule(LanguageModule):
@@ -126,13 +135,17 @@ class GRPOModule(LanguageModule):
             starting weights), ``adapters_off`` (the policy with its LoRA adapters off), ``auto`` (``none`` without a
             KL term, ``adapters_off`` under LoRA, else ``live``) or ``none``.
         eval_max_new_tokens: Greedy decoding budget of the held-out evaluation (default ``sampling.max_new_tokens``).
-        optimizer: As :class:`~xtl.train.LanguageModule`.
-        schedule: As :class:`~xtl.train.LanguageModule`.
-        max_grad_norm: As :class:`~xtl.train.LanguageModule`.
-        seed: As :class:`~xtl.train.LanguageModule`.
-        param_dtype: As :class:`~xtl.train.LanguageModule`.
-        model_overrides: As :class:`~xtl.train.LanguageModule`.
-        freeze: As :class:`~xtl.train.LanguageModule`.
+        engine: ``local`` (xtl's cached sampler on the policy) or ``vllm`` (:class:`~xtl.rl.VLLMRolloutEngine`:
+            colocated vLLM, weights synced before each rollout batch; a GPU, ``pip install vllm``).
+        vllm: The vLLM engine's settings.
+        importance_sampling_cap: With an engine that returns log-probabilities (vLLM), each token's policy term is
+            weighted by ``min(exp(old - engine log-prob), cap)`` (truncated importance sampling: the trainer's and
+            the engine's numerics differ).
+        routing_replay: MoE policies: record the experts every token goes to in the forward that gives the old
+            log-probabilities (at rollout time) and route the updates' forwards the same way, so the importance ratio
+            compares the same experts (the first update's ratio is exactly 1 whatever the kernels) and routing
+            changes do not count as policy changes. Refused for models without routed experts.
+        **kwargs: :class:`~xtl.train.LanguageModule`'s settings (optimizer, schedule, clipping, routing, ...).
 
     Raises:
         ConfigError: Settings out of range, a reference the objective cannot use.
@@ -156,24 +169,13 @@ class GRPOModule(LanguageModule):
         overlong_penalty: float = 1.0,
         reference: ReferenceMode = "auto",
         eval_max_new_tokens: int | None = None,
-        optimizer: OptimizerConfig = AdamWConfig(),
-        schedule: ScheduleConfig = ScheduleConfig(),
-        max_grad_norm: float | None = 1.0,
-        seed: int = 0,
-        param_dtype: Literal["float32", "bfloat16"] = "float32",
-        model_overrides: dict[str, Any] | None = None,
-        freeze: list[str] | None = None,
+        engine: Literal["local", "vllm"] = "local",
+        vllm: VLLMSettings | None = None,
+        importance_sampling_cap: float = 2.0,
+        routing_replay: bool = False,
+        **kwargs: Any,
     ) -> None:
-        super().__init__(
-            model=model,
-            model_overrides=model_overrides,
-            optimizer=optimizer,
-            schedule=schedule,
-            max_grad_norm=max_grad_norm,
-            seed=seed,
-            param_dtype=param_dtype,
-            freeze=freeze,
-        )
+        super().__init__(model, **kwargs)
         self.save_hyperparameters(ignore=["judger"])  # an object (a function judger holds code): set by the config
         counts = {"prompts_per_step": prompts_per_step, "mini_batches": mini_batches, "epochs": epochs,
                   "micro_batches": micro_batches, "max_rounds": max_rounds}  # fmt: skip
@@ -194,6 +196,14 @@ class GRPOModule(LanguageModule):
                 f"model.init_args.overlong_buffer must be in (0, sampling.max_new_tokens={sampling.max_new_tokens}], "
                 f"got {overlong_buffer}"
             )
+        if engine not in ("local", "vllm"):
+            raise ConfigError(f"model.init_args.engine must be local or vllm, got {engine!r}")
+        if importance_sampling_cap < 1:
+            raise ConfigError(f"model.init_args.importance_sampling_cap must be >= 1, got {importance_sampling_cap}")
+        self.engine_name, self.vllm_settings = engine, vllm or VLLMSettings()
+        self.importance_sampling_cap = importance_sampling_cap
+        self.routing_replay = routing_replay
+        self._synced_step = -1
         self.judger = judger if judger is not None else MathJudger()
         self.sampling = sampling
         self.objective = objective
@@ -236,6 +246,8 @@ class GRPOModule(LanguageModule):
             )
         if mode == "live":
             self._reference = [self.build_frozen_copy()]
+        if self.routing_replay and not self.model.moe_blocks():
+            raise ConfigError("model.init_args.routing_replay: the model has no routed experts to replay; remove it")
 
     def setup(self, stage: str) -> None:
         """Refuse what RL cannot run: context parallelism, data that is not prompts, models with images."""
@@ -256,8 +268,8 @@ class GRPOModule(LanguageModule):
 
     def on_fit_start(self) -> None:
         """Start the rollout engine on the policy and say what trains."""
-        group = self.parallelizer.data_group() if self.parallelizer.shards_parameters else None
-        self.engine = LocalRolloutEngine(self.model, group=group)
+        self.engine = self._start_engine()
+        self._synced_step = -1
         if self._engine_state:
             self.engine.load_state_dict(self._engine_state)
         objective = self.objective
@@ -278,15 +290,23 @@ class GRPOModule(LanguageModule):
         sums: list[dict[str, torch.Tensor]] = []
 
         def forward(mb: RLMicroBatch) -> ModelOutput:
+            self._replay(mb.routed_experts)  # kept through the backward (a recomputing block routes the same)
             logps, entropy = self._token_logps(self.model, mb, with_entropy=True)
+            weights = None
+            if mb.sampling_logps is not None:  # truncated importance sampling: the engine's numerics are not ours
+                weights = torch.exp(mb.old_logps - mb.sampling_logps).clamp(max=self.importance_sampling_cap)
             out = policy_loss(
-                logps, mb.old_logps, mb.advantages, mb.mask, self.objective, mb.ref_logps, self.sampling.max_new_tokens
-            )
+                logps, mb.old_logps, mb.advantages, mb.mask, self.objective, mb.ref_logps,
+                self.sampling.max_new_tokens, weights,
+            )  # fmt: skip
             out.stats["entropy"] = (entropy * mb.mask).sum()
             sums.append(out.stats)
             return ModelOutput(loss_sum=out.loss_sum, num_tokens=None)
 
-        result = self.optimizer_step_over(update, forward, lambda mb: mb.num_items)
+        try:
+            result = self.optimizer_step_over(update, forward, lambda mb: mb.num_items)
+        finally:
+            self._replay(None)
         totals = self._sum_over_data_ranks(
             torch.stack(
                 [sum(s.get(k, torch.zeros((), device=self.device)) for s in sums) for k in (*POLICY_METRICS, "tokens")]
@@ -358,6 +378,19 @@ class GRPOModule(LanguageModule):
 
     # ---- private ---------------------------------------------------------------------------------------------
 
+    def _start_engine(self) -> RolloutEngine:
+        if self.engine_name == "local":
+            group = self.parallelizer.data_group() if self.parallelizer.shards_parameters else None
+            return LocalRolloutEngine(self.model, group=group)
+        if self.hf_dir is None:
+            raise ConfigError("model.init_args.engine: vllm starts from an HF model directory: set model to one")
+        if any(True for _ in lora_layers(self.model)):
+            raise ConfigError("model.init_args.engine: vllm syncs whole weights, not LoRA adapters: use engine: local")
+        if self.device.type != "cuda":
+            raise ConfigError("model.init_args.engine: vllm needs a GPU (trainer.accelerator: gpu); use engine: local")
+        rank = self.trainer.datamodule.data_parallel_rank()[0]
+        return VLLMRolloutEngine(str(self.hf_dir), self.vllm_settings, seed=self.sampling.seed + rank)
+
     def _render(self, row: dict[str, Any]) -> list[int]:
         datamodule = self.trainer.datamodule
         return chat_prompt_ids(
@@ -371,6 +404,9 @@ class GRPOModule(LanguageModule):
         stop = stop_token_ids(tokenizer, datamodule.template)
         rank = datamodule.data_parallel_rank()[0]
         sampling = replace(self.sampling, seed=self.sampling.seed + 1_000_003 * rank)
+        if self._synced_step != self.global_step:  # the engine samples with the weights of this step
+            self.engine.sync_weights(self.model)
+            self._synced_step = self.global_step
         groups, stats = produce_batch(
             self.prompts_per_step,
             datamodule.take,
@@ -439,19 +475,39 @@ class GRPOModule(LanguageModule):
         out = []
         for part in _split(chunk, self.micro_batches):
             mb = pack_sequences([(s.prompt_ids, s.response_ids) for s, _ in part], [a for _, a in part])
+            if part and all(s.logprobs is not None for s, _ in part):
+                mb.sampling_logps = torch.zeros_like(mb.mask)
+                for i, (sample, _) in enumerate(part):
+                    mb.sampling_logps[i, : len(sample.logprobs)] = torch.tensor(sample.logprobs)
             mb.num_items = float(count(len(part), int(mb.mask.sum())))
             out.append(mb)
         return out
 
     def _fill_logps(self, mb: RLMicroBatch) -> None:
         device_mb = mb.to(self.device)
-        mb.old_logps = self._token_logps(self.model, device_mb)[0].cpu()
+        blocks = self.model.moe_blocks() if self.routing_replay else []
+        for block in blocks:
+            block.record_routing(True)
+        try:
+            mb.old_logps = self._token_logps(self.model, device_mb)[0].cpu()
+        finally:
+            for block in blocks:
+                block.record_routing(False)
+        if blocks:
+            mb.routed_experts = [block.recorded.cpu() for block in blocks]
         mode = self.resolved_reference
         if mode == "live":
             mb.ref_logps = self._token_logps(self._reference[0], device_mb)[0].cpu()
         elif mode == "adapters_off":
             with adapters_disabled(self.model):
                 mb.ref_logps = self._token_logps(self.model, device_mb)[0].cpu()
+
+    def _replay(self, routed: list[torch.Tensor] | None) -> None:
+        """Route the policy's next forwards to ``routed`` (per MoE layer; ``None``: the routers choose)."""
+        if not self.routing_replay:
+            return
+        for i, block in enumerate(self.model.moe_blocks()):
+            block.replay_routing(None if routed is None else routed[i])
 
     def _token_logps(
         self, model: torch.nn.Module, mb: RLMicroBatch, with_entropy: bool = False
