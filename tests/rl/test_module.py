@@ -232,3 +232,28 @@ class TestRoutingReplay:
     def test_refused_without_routed_experts(self) -> None:
         with pytest.raises(ConfigError, match="no routed experts"):
             _module(routing_replay=True).configure_model()
+
+
+class TestEngineLogprobs:
+    def test_engine_log_probs_weight_the_tokens_and_weights_sync_once_per_batch(self, tmp_path) -> None:
+        from xtl.rl import LocalRolloutEngine
+
+        class WithLogprobs(LocalRolloutEngine):
+            syncs = 0
+
+            def generate(self, prompts, sampling, stop_token_ids=()):
+                rollouts = super().generate(prompts, sampling, stop_token_ids)
+                for r in rollouts:
+                    r.logprobs = [-0.5] * len(r.response_ids)
+                return rollouts
+
+            def sync_weights(self, model):
+                WithLogprobs.syncs += 1
+
+        plain, _ = _fit(_module(), 4, tmp_path / "plain")
+        module = _module()
+        module._start_engine = lambda: WithLogprobs(module.model)
+        weighted, _ = _fit(module, 4, tmp_path / "weighted")
+        assert WithLogprobs.syncs == 2, "one sync per rollout batch (4 steps, 2 per batch)"
+        assert weighted[1]["train/reward"] == plain[1]["train/reward"], "the same rollouts"
+        assert weighted[1]["train/loss"] != plain[1]["train/loss"], "weighted by min(exp(old - engine), cap)"

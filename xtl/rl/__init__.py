@@ -1,6 +1,7 @@
 """Reinforcement learning: judgers (:mod:`xtl.rl.judger`), rollout engines (:mod:`xtl.rl.rollout`), the replay
-buffer (:mod:`xtl.rl.buffer`), the policy losses (:mod:`xtl.rl.loss`) and :class:`GRPOModule`
-(:mod:`xtl.rl.module`)."""
+buffer (:mod:`xtl.rl.buffer`), the policy losses (:mod:`xtl.rl.loss`), :class:`GRPOModule` (:mod:`xtl.rl.module`)
+and Ray actors for rollout and judging (:mod:`xtl.rl.remote`, imported on use: ``from xtl.rl.remote import
+RayJudger``)."""
 
 from xtl.rl.judger import (
     BaseJudger,

@@ -138,6 +138,9 @@ class GRPOModule(LanguageModule):
         engine: ``local`` (xtl's cached sampler on the policy) or ``vllm`` (:class:`~xtl.rl.VLLMRolloutEngine`:
             colocated vLLM, weights synced before each rollout batch; a GPU, ``pip install vllm``).
         vllm: The vLLM engine's settings.
+        ray: ``engine: ray`` (:class:`~xtl.rl.remote.RayRolloutEngine`, ``pip install ray``): its settings
+            (``num_actors``, ``actor_options``, ``address``, ``device``); each actor samples with xtl's cached sampler
+            on its copy of the policy, weights synced before each rollout batch.
         importance_sampling_cap: With an engine that returns log-probabilities (vLLM), each token's policy term is
             weighted by ``min(exp(old - engine log-prob), cap)`` (truncated importance sampling: the trainer's and
             the engine's numerics differ).
@@ -169,8 +172,9 @@ class GRPOModule(LanguageModule):
         overlong_penalty: float = 1.0,
         reference: ReferenceMode = "auto",
         eval_max_new_tokens: int | None = None,
-        engine: Literal["local", "vllm"] = "local",
+        engine: Literal["local", "vllm", "ray"] = "local",
         vllm: VLLMSettings | None = None,
+        ray: dict[str, Any] | None = None,
         importance_sampling_cap: float = 2.0,
         routing_replay: bool = False,
         **kwargs: Any,
@@ -196,11 +200,11 @@ class GRPOModule(LanguageModule):
                 f"model.init_args.overlong_buffer must be in (0, sampling.max_new_tokens={sampling.max_new_tokens}], "
                 f"got {overlong_buffer}"
             )
-        if engine not in ("local", "vllm"):
-            raise ConfigError(f"model.init_args.engine must be local or vllm, got {engine!r}")
+        if engine not in ("local", "vllm", "ray"):
+            raise ConfigError(f"model.init_args.engine must be local, vllm or ray, got {engine!r}")
         if importance_sampling_cap < 1:
             raise ConfigError(f"model.init_args.importance_sampling_cap must be >= 1, got {importance_sampling_cap}")
-        self.engine_name, self.vllm_settings = engine, vllm or VLLMSettings()
+        self.engine_name, self.vllm_settings, self.ray_settings = engine, vllm or VLLMSettings(), dict(ray or {})
         self.importance_sampling_cap = importance_sampling_cap
         self.routing_replay = routing_replay
         self._synced_step = -1
@@ -382,10 +386,15 @@ class GRPOModule(LanguageModule):
         if self.engine_name == "local":
             group = self.parallelizer.data_group() if self.parallelizer.shards_parameters else None
             return LocalRolloutEngine(self.model, group=group)
+        name = self.engine_name
         if self.hf_dir is None:
-            raise ConfigError("model.init_args.engine: vllm starts from an HF model directory: set model to one")
+            raise ConfigError(f"model.init_args.engine: {name} starts from an HF model directory: set model to one")
         if any(True for _ in lora_layers(self.model)):
-            raise ConfigError("model.init_args.engine: vllm syncs whole weights, not LoRA adapters: use engine: local")
+            raise ConfigError(f"model.init_args.engine: {name} syncs whole weights, not LoRA adapters: use local")
+        if name == "ray":
+            from xtl.rl.remote import RayRolloutEngine
+
+            return RayRolloutEngine(str(self.hf_dir), **self.ray_settings)
         if self.device.type != "cuda":
             raise ConfigError("model.init_args.engine: vllm needs a GPU (trainer.accelerator: gpu); use engine: local")
         rank = self.trainer.datamodule.data_parallel_rank()[0]
