@@ -6,6 +6,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
+from tests.train.test_base import StopAt
 from xtl.callbacks import LoRA
 from xtl.data import SourceSpec, XTLDataModule
 from xtl.errors import ConfigError
@@ -53,15 +54,6 @@ class MetricRecorder(pl.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.steps[trainer.global_step] = {k: v.item() for k, v in trainer.callback_metrics.items()}
-
-
-class StopAt(pl.Callback):
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if trainer.global_step >= self.step:
-            trainer.should_stop = True
 
 
 def _fit(module, steps, root, callbacks=(), ckpt_path=None, every=None, datamodule=None):

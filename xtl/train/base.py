@@ -24,6 +24,7 @@ from xtl.data.item import IGNORE_INDEX
 from xtl.data.packing import Pack
 from xtl.errors import ConfigError, did_you_mean
 from xtl.model import BaseModel, ModelOutput
+from xtl.module.lora import lora_layers
 from xtl.strategies.parallelize import ModelTransform, ParallelizingStrategy, SingleDevice, WeightSource
 from xtl.train.family import DataRanks, RouterTraining, family_of, family_training
 from xtl.train.generation import GenerationConfig, chat_prompt_ids, generate, split_thinking
@@ -142,6 +143,21 @@ class LanguageModule(pl.LightningModule):
         reference = self.parallelizer.parallelize(reference, [], weights)
         reference.requires_grad_(False)
         return reference.eval()
+
+    def build_reference(self, mode: str) -> list[BaseModel]:
+        """The reference model an objective's ``reference`` mode needs, in a list (kept out of the module's
+        children): ``live`` a frozen copy (:meth:`build_frozen_copy`); ``adapters_off`` (the policy with its LoRA
+        adapters off) and the others none.
+
+        Raises:
+            ConfigError: ``adapters_off`` for a model without LoRA adapters.
+        """
+        if mode == "adapters_off" and not any(True for _ in lora_layers(self.model)):
+            raise ConfigError(
+                "model.init_args.reference: adapters_off needs LoRA adapters: add --config callbacks/lora.yaml, "
+                "or use reference: live"
+            )
+        return [self.build_frozen_copy()] if mode == "live" else []
 
     @property
     def parallelizer(self) -> ParallelizingStrategy:

@@ -161,14 +161,7 @@ class PreferenceModule(LanguageModule):
         if self.model is not None:
             return
         super().configure_model()
-        mode = self.resolved_reference
-        if mode == "adapters_off" and not any(True for _ in lora_layers(self.model)):
-            raise ConfigError(
-                "model.init_args.reference: adapters_off needs LoRA adapters: add --config callbacks/lora.yaml, "
-                "or use reference: live"
-            )
-        if mode == "live":
-            self._reference = [self.build_frozen_copy()]
+        self._reference = self.build_reference(self.resolved_reference)
 
     def on_fit_start(self) -> None:
         """Say which objective and reference train."""
