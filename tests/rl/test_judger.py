@@ -198,3 +198,16 @@ class TestBuiltins:
     def test_bad_settings(self, build, message):
         with pytest.raises(ConfigError, match=message):
             build()
+
+
+class TestJudgeSyncInsideALoop:
+    def test_a_running_event_loop_in_the_thread_does_not_stop_judging(self) -> None:
+        import asyncio
+
+        from xtl.rl import ExactMatchJudger, RolloutState
+
+        async def inside() -> list:
+            return ExactMatchJudger().judge_sync([RolloutState("4", "4"), RolloutState("5", "4")])
+
+        judged = asyncio.run(inside())  # as in a notebook, where the kernel's loop runs
+        assert [s.reward["score"] for s in judged] == [1.0, 0.0]

@@ -77,8 +77,14 @@ class BaseJudger(ABC):
         """Score several states (updated in place and returned, in order)."""
 
     def judge_sync(self, states: Sequence[RolloutState]) -> list[RolloutState]:
-        """:meth:`batch_judge` from synchronous code (a training step)."""
-        return asyncio.run(self.batch_judge(states))
+        """:meth:`batch_judge` from synchronous code (a training step), also where an event loop already runs in
+        this thread (a notebook): the judging then runs on an event loop of its own, in a thread."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return asyncio.run(self.batch_judge(states))
+        with ThreadPoolExecutor(1) as pool:
+            return pool.submit(asyncio.run, self.batch_judge(states)).result()
 
     def state_dict(self) -> dict[str, Any]:
         """What resumes the judger exactly (e.g. the state of a random generator it samples with); none here."""
