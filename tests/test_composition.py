@@ -144,6 +144,9 @@ def _check_feature_acts(cell: Cell, result: dict, plain: dict) -> None:
     elif name == "kto":  # step 0: every reward and the reference point 0, each row's loss 1 - sigmoid(0)
         assert math.isclose(float(result["losses"]["0"]), 0.5, rel_tol=1e-6), result["losses"]
         assert {"train/kl", "train/rewards/chosen", "train/rewards/rejected"} <= set(result["logged"])
+    elif name == "grpo":  # step 0: every ratio 1, so the loss is minus the mean advantage, 0 in every group
+        assert abs(float(result["losses"]["0"])) < 1e-6, result["losses"]
+        assert {"train/ratio", "train/reward", "train/clip_region", "rollout/samples"} <= set(result["logged"])
     elif name == "hf_export":
         files = set(probe["files"])
         assert "hf/final/config.json" in files and any(f.endswith(".safetensors") for f in files), files

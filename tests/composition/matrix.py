@@ -191,6 +191,17 @@ FEATURES = (
         "objective",
         "KTO (live reference) on the tiny unpaired rows (labels carried by the packs)",
     ),
+    Feature(
+        "grpo",
+        (),
+        "model:\n  class_path: xtl.rl.GRPOModule\n  init_args:\n"
+        "    judger: {class_path: xtl.rl.FormatJudger, init_args: {pattern: '(..)*'}}\n"
+        "    sampling: {group_size: 4, max_new_tokens: 6}\n    prompts_per_step: 2\n"
+        "data:\n  sources: [{path: tiny:sft_train.jsonl, kind: prompt}]\n",
+        "objective",
+        "GRPO: rollouts from the policy (xtl's cached sampler, in lockstep across ranks), a format judger (an even "
+        "number of characters), the tiny prompts",
+    ),
 )
 
 
@@ -240,6 +251,9 @@ REFUSED: dict[tuple[str, str, str], str] = {
     ("vlm", "parity_check", "*"): "HFParityCheck compares decoder-only text models",
     ("vlm_moe", "parity_check", "*"): "HFParityCheck compares decoder-only text models",
     ("*", "parity_check", "cp"): "HFParityCheck runs whole documents on each process",
+    ("*", "grpo", "cp"): "GRPOModule generates whole sequences on each rank",
+    ("vlm", "grpo", "*"): "GRPOModule trains text models",
+    ("vlm_moe", "grpo", "*"): "GRPOModule trains text models",
 }
 
 

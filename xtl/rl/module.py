@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_info
 
 from xtl.batch import SequenceContext
@@ -350,21 +351,39 @@ class GRPOModule(LanguageModule):
     # ---- checkpoint ------------------------------------------------------------------------------------------
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Add the RL state: pending updates, leftover groups, the sampler's random state, the judger's state."""
+        """Add the RL state of every rank (each has its own): pending updates, leftover groups, the sampler's random
+        state, the judger's state. The ranks' states are gathered, since a sharded checkpoint keeps rank 0's
+        non-tensor state only."""
         super().on_save_checkpoint(checkpoint)
         engine = self.engine.state_dict() if self.engine is not None else self._engine_state
-        checkpoint["xtl_rl"] = {
+        state = {
             "pending": [[mb.state() for mb in update] for update in self._pending],
             "buffer": self.buffer.state_dict(),
             "engine": engine,
             "judger": self.judger.state_dict(),
             "rollout_metrics": dict(self._rollout_metrics),
         }
+        ranks = [state]
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            ranks = [None] * dist.get_world_size()
+            dist.all_gather_object(ranks, state)
+        checkpoint["xtl_rl"] = {"ranks": ranks}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Restore :meth:`on_save_checkpoint`'s RL state."""
+        """Restore this rank's part of :meth:`on_save_checkpoint`'s RL state.
+
+        Raises:
+            ConfigError: The checkpoint was written by another number of processes.
+        """
         super().on_load_checkpoint(checkpoint)
-        state = checkpoint.get("xtl_rl", {})
+        ranks = checkpoint.get("xtl_rl", {}).get("ranks", [{}])
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        if len(ranks) != world:
+            raise ConfigError(
+                f"the RL checkpoint holds the rollout state of {len(ranks)} process(es), this run has {world}: "
+                "resume with the same trainer.devices and trainer.num_nodes"
+            )
+        state = ranks[dist.get_rank() if world > 1 else 0]
         self._pending = [[RLMicroBatch.from_state(mb) for mb in update] for update in state.get("pending", [])]
         self.buffer.load_state_dict(state.get("buffer", {}))
         self._engine_state = state.get("engine", {})
