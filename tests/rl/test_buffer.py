@@ -136,3 +136,14 @@ class TestReplayBuffer:
         metrics = stats.metrics()
         assert metrics["rollout/gen_seconds_p50"] == 3.0 and metrics["rollout/gen_seconds_max"] == 5.0
         assert metrics["rollout/gen_seconds_p90"] == pytest.approx(4.6)
+
+
+class TestRanksAgree:
+    def test_a_rank_with_enough_groups_still_draws_and_generates_what_another_rank_misses(self) -> None:
+        """Rank view: this rank's groups all have signal, another rank's do not (it misses 2 groups in round 2): both
+        draw 2 prompts and generate in round 2, so draws and decoding forwards stay in step; the surplus waits."""
+        engine, buffer = ScriptedEngine({k: 2 for k in range(10)}), ReplayBuffer()
+        others = iter([2, 2, 0])  # what the other rank misses, round by round
+        groups, stats = _produce(engine, FunctionJudger(_reward), buffer, dynamic_sampling=True, max_rounds=3,
+                                 agree=lambda n: max(n, next(others)))  # fmt: skip
+        assert len(groups) == 2 and stats.rounds == 2 and [g.row["index"] for g in buffer.groups] == [2, 3]

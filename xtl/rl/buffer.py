@@ -200,6 +200,7 @@ def produce_batch(
     max_rounds: int = 1,
     reward_shaping: Callable[[list[Group]], None] | None = None,
     oversample: float = 1.0,
+    agree: Callable[[int], int] | None = None,
 ) -> tuple[list[Group], ProduceStats]:
     """Collect ``num_groups`` trainable groups (see the module docstring).
 
@@ -219,6 +220,9 @@ def produce_batch(
         reward_shaping: Adjusts the groups' rewards after judging (e.g. the overlong penalty), before filtering.
         oversample: Each round draws ``ceil(missing groups x oversample)`` prompts (above 1 with dynamic sampling,
             so that one round usually brings enough; the surplus waits in the buffer).
+        agree: The most groups any data-parallel rank misses, given this rank's count (an all-reduce). Every rank then
+            draws and generates the same number of prompts per round and runs the same rounds: prompt draws stay in
+            step across ranks, and so do the forwards of decoding (sharded parameters need every rank in each).
 
     Returns:
         The groups to train on (at most ``num_groups``) and the accounting.
@@ -226,10 +230,12 @@ def produce_batch(
     stats = ProduceStats()
     groups = buffer.take(num_groups, version, stats)
     for _ in range(max_rounds):
-        if len(groups) >= num_groups:
+        missing = max(num_groups - len(groups), 0)
+        missing = agree(missing) if agree is not None else missing
+        if missing == 0:
             break
         stats.rounds += 1
-        rows = take_rows(math.ceil((num_groups - len(groups)) * oversample))
+        rows = take_rows(math.ceil(missing * oversample))
         fresh = _generate_groups(rows, render, decode, engine, sampling, version, stop_token_ids, stats)
         _judge(fresh, judger)
         if reward_shaping is not None:

@@ -443,6 +443,7 @@ class GRPOModule(LanguageModule):
             self.max_rounds,
             self._shape_rewards if self.overlong_buffer else None,
             self.oversample,
+            self._most_over_data_ranks,
         )
         samples, advantages = self._advantages(groups)
         self._rollout_metrics = self._metrics(stats, groups, samples)
@@ -453,6 +454,15 @@ class GRPOModule(LanguageModule):
                 for mb in update:
                     self._fill_logps(mb)
         self._pending = [[mb for mb in update] for _ in range(self.epochs) for update in updates]
+
+    def _most_over_data_ranks(self, count: int) -> int:
+        """The largest ``count`` over the data-parallel ranks (``count`` itself on one rank)."""
+        group = self.parallelizer.data_group()
+        if group is None:
+            return count
+        most = torch.tensor(count, device=self.device)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=group)
+        return int(most.item())
 
     def _advantages(self, groups: list[Group]) -> tuple[list[Any], list[float]]:
         size = self.sampling.group_size
