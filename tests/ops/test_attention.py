@@ -231,3 +231,22 @@ class TestCpuShortDocumentsInFp32:
         reference = sdpa_attention(q.bfloat16().float(), k.bfloat16().float(), v.bfloat16().float(), mask, 0.25)
         assert out.dtype == torch.bfloat16
         assert torch.equal(out, reference.bfloat16()), "fp32 math on the bf16 inputs, rounded once at the end"
+
+
+class TestBucketPlanAcrossModes:
+    def test_a_plan_made_in_inference_mode_serves_a_training_step(self) -> None:
+        """Lightning evaluates under ``torch.inference_mode``; a training step with the same packing reuses the
+        cached plan, whose index tensors must then not be inference tensors."""
+        from xtl.ops.attention import attend_by_document_length
+
+        bounds = [0, 3, 7, 8, 13]  # a packing no other test uses
+
+        def attend(q, k, v):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+
+        with torch.inference_mode():
+            q = torch.randn(1, 2, 13, 4)
+            attend_by_document_length(q, q, q, bounds, attend, bucket=4)
+        q = torch.randn(1, 2, 13, 4, requires_grad=True)
+        attend_by_document_length(q, q, q, bounds, attend, bucket=4).sum().backward()
+        assert q.grad is not None

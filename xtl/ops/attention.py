@@ -371,7 +371,14 @@ class _BucketPlan:
 
 @functools.lru_cache(maxsize=64)
 def _bucket_plan(bounds: tuple[int, ...], bucket: int, device: torch.device) -> _BucketPlan:
-    """Built on the host once per distinct packing (every layer of a forward shares it)."""
+    """Built on the host once per distinct packing (every layer of a forward shares it). Cached across calls, so
+    built outside inference mode: a plan first made by an evaluation (Lightning runs it under
+    ``torch.inference_mode``) must serve a training step with the same packing too."""
+    with torch.inference_mode(False):
+        return _build_bucket_plan(bounds, bucket, device)
+
+
+def _build_bucket_plan(bounds: tuple[int, ...], bucket: int, device: torch.device) -> _BucketPlan:
     groups: dict[int, list[int]] = {}
     for doc, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
         groups.setdefault(-(-(end - start) // bucket) * bucket, []).append(doc)
