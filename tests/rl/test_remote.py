@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import pytest
+import ray
 import torch
 
 from xtl.rl import ExactMatchJudger, LocalRolloutEngine, RolloutState, SamplingSettings
-
-ray = pytest.importorskip("ray")
-
-from xtl.rl.remote import RayJudger, RayRolloutEngine, load_hf_named_tensors  # noqa: E402
-from xtl.rl.rollout import hf_named_tensors  # noqa: E402
+from xtl.rl.remote import RayJudger, RayRolloutEngine, load_hf_named_tensors
+from xtl.rl.rollout import hf_named_tensors
 
 MODEL = dict(
     vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

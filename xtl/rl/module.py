@@ -34,7 +34,7 @@ from xtl.rl.judger import BaseJudger, MathJudger, RolloutState
 from xtl.rl.loss import PolicyLossConfig, group_advantages, overlong_penalty, policy_loss
 from xtl.rl.rollout import LocalRolloutEngine, RolloutEngine, SamplingSettings, VLLMRolloutEngine, VLLMSettings
 from xtl.train.base import LanguageModule
-from xtl.train.generation import chat_prompt_ids, generate, split_thinking, stop_token_ids
+from xtl.train.generation import GenerationConfig, chat_prompt_ids, generate, split_thinking, stop_token_ids
 
 ReferenceMode = Literal["auto", "live", "adapters_off", "none"]
 POLICY_METRICS = ("clip_low", "clip_high", "clip_region", "ratio", "kl", "entropy")
@@ -323,8 +323,8 @@ class GRPOModule(LanguageModule):
         datamodule = self.trainer.datamodule
         tokenizer = datamodule.load_tokenizer()
         stop = stop_token_ids(tokenizer, datamodule.template)
-        config = replace(self.sampling, temperature=1.0).generation_config(stop)
-        config = replace(config, temperature=0.0, max_new_tokens=self.eval_max_new_tokens)
+        stop_ids = tuple(sorted({*self.sampling.stop_token_ids, *stop}))
+        config = GenerationConfig(max_new_tokens=self.eval_max_new_tokens, stop_token_ids=stop_ids)  # greedy
         prompts = [self._render(row) for row in batch]
         group = self.parallelizer.data_group() if self.parallelizer.shards_parameters else None
         outputs = generate(self.model, prompts, config, group=group).sequences
