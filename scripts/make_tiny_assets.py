@@ -5,7 +5,9 @@
 Writes a byte-level BPE tokenizer with the Qwen3 special tokens and Qwen3 chat template, a synthetic SFT task
 with checkable answers (``sft_train.jsonl``, held-out ``sft_eval.jsonl`` with an ``answer`` field), preference pairs
 built from it (``preference_train.jsonl``, ``preference_eval.jsonl``: the SFT prompt, its correct answer as ``chosen``
-and a corrupted answer as ``rejected``), unpaired preference rows for KTO made from those pairs (``kto_train.jsonl``,
+and a corrupted answer as ``rejected``), the multiple-choice rows of the shipped lm-eval task ``tiny_choice``
+(``lm_eval/tiny_choice.jsonl``: each held-out question with its answer among three answers of other questions of the
+same kind), unpaired preference rows for KTO made from those pairs (``kto_train.jsonl``,
 ``kto_eval.jsonl``: each prompt once, with its correct answer labeled true or its corrupted one labeled false, in
 turn), and a small pretraining text set (``pretrain.jsonl``).
 """
@@ -78,6 +80,9 @@ def main() -> None:
         _write_jsonl(out / f"preference_{split}.jsonl", rows)
         _write_jsonl(out / f"kto_{split}.jsonl", unpaired_rows(rows))
 
+    choice_rng = random.Random(f"choice-{args.seed}")
+    _write_jsonl(out / "lm_eval" / "tiny_choice.jsonl", choice_rows(evals, choice_rng))
+
     template = (
         Path(__file__).resolve().parent.parent / "xtl" / "assets" / "chat_templates" / "qwen3.jinja"
     ).read_text()
@@ -103,6 +108,27 @@ def main() -> None:
         f"wrote {out} ({len(train)} train, {len(evals)} eval, {len(pretrain)} pretrain, preference pairs of each SFT "
         f"row; {total / 1e6:.2f} MB)"
     )
+
+
+def choice_rows(evals: list[dict], rng: random.Random, num_choices: int = 4) -> list[dict]:
+    """Multiple-choice rows of the held-out questions: ``question``, ``choices`` (the answer and answers of other
+    questions of the same kind, in a random order) and ``gold`` (the answer's index)."""
+    questions = [row["messages"][-2]["content"] for row in evals]
+    kinds: dict[str, list[str]] = {}
+    for question, row in zip(questions, evals):
+        kinds.setdefault(_kind(question), []).append(row["answer"])
+    rows = []
+    for question, row in zip(questions, evals):
+        others = sorted({a for a in kinds[_kind(question)] if a != row["answer"]})
+        choices = [row["answer"], *rng.sample(others, num_choices - 1)]
+        rng.shuffle(choices)
+        rows.append({"question": question, "choices": choices, "gold": choices.index(row["answer"])})
+    return rows
+
+
+def _kind(question: str) -> str:
+    """The task a tiny question belongs to (its words before the first digit or colon)."""
+    return re.split(r"[:0-9]", question, maxsplit=1)[0]
 
 
 def _sft_split(rng: random.Random) -> tuple[list[dict], list[dict]]:
@@ -231,6 +257,7 @@ def _paragraph(rng: random.Random) -> str:
 
 
 def _write_jsonl(path: Path, records: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
 
 

@@ -19,10 +19,13 @@ COUNTER = "trainer:\n  callbacks+:\n    - class_path: tests.callbacks.helpers.Fo
 
 @dataclass
 class TinyRun:
-    """What a tiny CLI run logged: ``metrics.csv`` rows with a ``train/loss``, and the attention calls per layer."""
+    """What a tiny CLI run logged: ``metrics.csv`` rows with a ``train/loss``, the attention calls per layer, every
+    logged row, and the run folder."""
 
     rows: list[dict[str, str]]
     forward_calls: list[int]
+    logged: list[dict[str, str]]
+    root: Path
 
     def column(self, key: str) -> list[str]:
         """The logged strings of ``key``, one per step."""
@@ -61,8 +64,10 @@ def tiny_fit(data_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Call
             with _cwd(run_dir):
                 assert _run_main([*args, str(steps)]) == 0
             metrics = next(run_dir.glob("runs/*/logs/version_*/metrics.csv"))
-            rows = [row for row in csv.DictReader(metrics.open()) if row.get("train/loss")]
-            cache[key] = TinyRun(rows, json.loads((run_dir / "forward_calls.json").read_text()))
+            logged = list(csv.DictReader(metrics.open()))
+            rows = [row for row in logged if row.get("train/loss")]
+            calls = json.loads((run_dir / "forward_calls.json").read_text())
+            cache[key] = TinyRun(rows, calls, logged, metrics.parents[2])
         return cache[key]
 
     return fit

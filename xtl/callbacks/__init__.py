@@ -7,6 +7,7 @@ from xtl.callbacks.compile import Compile
 from xtl.callbacks.fp8 import FP8Training
 from xtl.callbacks.generation_eval import GenerationEval
 from xtl.callbacks.hf_export import HFExport
+from xtl.callbacks.lm_eval import LMEval
 from xtl.callbacks.lora import LoRA
 from xtl.callbacks.parity_check import HFParityCheck
 from xtl.callbacks.progress import StepProgressBar
@@ -21,6 +22,7 @@ __all__ = [
     "GenerationEval",
     "HFExport",
     "HFParityCheck",
+    "LMEval",
     "LoRA",
     "OffloadStats",
     "QLoRA",

@@ -19,6 +19,7 @@ _MODULES = {
     "check-hf-config": "xtl.tools.check_hf_config",
     "generate": "xtl.tools.generate",
     "check-parity": "xtl.tools.check_parity",
+    "eval": "xtl.tools.eval",
 }
 
 

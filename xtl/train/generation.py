@@ -15,7 +15,7 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
@@ -106,6 +106,7 @@ def generate(
     generator: torch.Generator | None = None,
     output_logits: bool = False,
     group: Any = None,
+    stop_when: Callable[[list[list[int]]], Sequence[bool]] | None = None,
 ) -> GenerationOutput:
     """Decode continuations of ``prompts`` with a KV cache (the model runs in eval mode meanwhile).
 
@@ -117,6 +118,8 @@ def generate(
         output_logits: Keep each step's next-token logits in the output.
         group: A process group whose ranks decode different prompts in lockstep (sharded parameters: every forward
             needs every rank): decoding stops when every rank's sequences have stopped (``None``: this process).
+        stop_when: Called on the host after each step with every sequence's new tokens so far; a sequence it marks
+            ``True`` ends there (stop strings; its output is cut after the current token).
 
     Returns:
         GenerationOutput: The new tokens of each prompt (and the logits when asked).
@@ -135,7 +138,7 @@ def generate(
     was_training = model.training
     model.eval()
     try:
-        return _decode(model, [list(p) for p in prompts], config, generator, output_logits, device, group)
+        return _decode(model, [list(p) for p in prompts], config, generator, output_logits, device, group, stop_when)
     finally:
         model.train(was_training)
 
@@ -234,6 +237,7 @@ def _decode(
     output_logits: bool,
     device: torch.device,
     group: Any = None,
+    stop_when: Callable[[list[list[int]]], Sequence[bool]] | None = None,
 ) -> GenerationOutput:
     batch = len(prompts)
     lengths = [len(p) for p in prompts]
@@ -245,12 +249,15 @@ def _decode(
     ones = torch.ones(batch, 1, dtype=torch.long, device=device)
     steps: list[torch.Tensor] = []
     kept: list[torch.Tensor] = []
+    ends = [config.max_new_tokens] * batch  # where stop_when ended each sequence
     for step in range(config.max_new_tokens):
         if output_logits:
             kept.append(logits)
         token = sample_next(logits, config, generator).masked_fill(finished, config.pad_token_id)
         steps.append(token)
         finished = finished | torch.isin(token, stop)
+        if stop_when is not None:
+            finished = _apply_stop_when(stop_when, steps, finished, ends, step)
         if step + 1 == config.max_new_tokens or _all_finished(finished, group):
             break
         out = model(
@@ -258,7 +265,8 @@ def _decode(
         )
         positions = positions + 1
         logits = _last_logits(out.logits)
-    return GenerationOutput(_cut_at_stop(torch.stack(steps, dim=1).tolist(), set(config.stop_token_ids)), kept)
+    rows = [row[:end] for row, end in zip(torch.stack(steps, dim=1).tolist(), ends)]
+    return GenerationOutput(_cut_at_stop(rows, set(config.stop_token_ids)), kept)
 
 
 def _prefill(
@@ -285,6 +293,23 @@ def _prefill(
         logits_to_keep=1,
     )
     return _last_logits(out.logits)
+
+
+def _apply_stop_when(
+    stop_when: Callable[[list[list[int]]], Sequence[bool]],
+    steps: list[torch.Tensor],
+    finished: torch.Tensor,
+    ends: list[int],
+    step: int,
+) -> torch.Tensor:
+    """``finished`` plus the sequences ``stop_when`` ends now (their output is cut after this step's token)."""
+    done = finished.tolist()
+    flags = stop_when(torch.stack(steps, dim=1).tolist())
+    for row, flag in enumerate(flags):
+        if flag and not done[row]:
+            ends[row] = step + 1
+            done[row] = True
+    return torch.tensor(done, device=finished.device)
 
 
 def _all_finished(finished: torch.Tensor, group: Any) -> bool:
