@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -242,6 +243,30 @@ class TestModelResolution:
             t.numel() for k, t in tensors.items() if ".self_attn." in k or "input_layernorm" in k
         )
         assert p["experts"] == sum(t.numel() for k, t in tensors.items() if ".experts." in k)
+
+    def test_mtp_depths_count_their_weights_flops_and_memory(self) -> None:
+        config = get_model_config("deepseek-v3")
+        plain, mtp = ModelDims.from_config(config), ModelDims.from_config(replace(config, mtp_layers=1))
+        with torch.device("meta"):
+            model = replace(config, mtp_layers=1).build()
+        tensors = model.checkpoint_tensors()
+        p = mtp.parameter_counts()
+        assert p["mtp"] == sum(t.numel() for k, t in tensors.items() if k.startswith("mtp."))
+        assert p["mtp_experts"] == sum(
+            t.numel() for k, t in tensors.items() if k.startswith("mtp.") and ".experts." in k
+        )
+        assert p["total"] == sum(t.numel() for t in tensors.values()) and "mtp" not in plain.parameter_counts()
+        extra = mtp.flops_per_token(4096) - plain.flops_per_token(
+            4096
+        )  # the depth's weights, the head again, attention
+        head = config.vocab_size * config.hidden_size
+        active = mtp.mtp_params(activated=True)
+        assert extra == pytest.approx(6 * (active + head) + 6 * 128 * (192 + 128) * 2048)
+        setup = TrainSetup(nodes=64, gpus_per_node=8, ep=64, seq_len=4096)
+        base, more = estimate_memory(plain, setup), estimate_memory(mtp, setup)
+        assert base == estimate_memory(replace(config, mtp_layers=0), setup)
+        assert more.peak_mbn.bytes > base.peak_mbn.bytes and more.params["mtp"] == p["mtp"]
+        assert any(label.startswith("MTP depths (1)") for label, _ in more.phases["micro1_forward_end"].items)
 
 
 class TestParallelLayouts:

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from transformers import Qwen3VLForConditionalGeneration
 
+from tests.model.test_mtp import initialized, tiny_config
 from xtl.batch import SequenceContext
+from xtl.data.collate import collate_pack
+from xtl.data.packing import Pack
 from xtl.errors import ConfigError
 from xtl.model import get_model_config_from_hf
-from xtl.train import AdamWConfig, LanguageModule, RouterTraining, family_of
-from xtl.train.family import DataRanks, RouterLosses
-from xtl.train.step import StepResult
+from xtl.train import AdamWConfig, LanguageModule, PreferenceModule, RouterTraining, family_of
+from xtl.train.family import DataRanks, MTPLosses, RouterLosses, family_training
+from xtl.train.step import StepResult, forward_backward
 
 from .conftest import TINY_MODEL
 
@@ -232,6 +236,73 @@ class TestRouterTraining:
             module.model, loads, torch.tensor(1.0), DataRanks(1, lambda t: t)
         )
         assert all(torch.equal(v, module.model.state_dict()[k]) for k, v in state.items())
+
+
+class TestMTPTraining:
+    @staticmethod
+    def _step(model, micro_batches: list) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], list]:
+        """One step's gradients, logged metrics and extra losses through the step machinery (one rank)."""
+        model.zero_grad(set_to_none=True)
+        losses, ranks, extra = MTPLosses(2, 0.3), DataRanks(1, lambda t: t), []
+        losses.start_step(len(micro_batches), torch.device("cpu"))
+        losses.count_step(micro_batches, ranks)
+
+        def extra_loss(out, _):
+            extra.append(losses.extra_loss(out, ranks))
+            return extra[-1]
+
+        forward_backward(
+            forward=lambda mb: model(seq_ctx=mb.seq_ctx, labels=mb.labels, return_logits=False),
+            micro_batches=micro_batches,
+            num_tokens=lambda mb: mb.num_tokens,
+            dp_world_size=1,
+            backward=lambda loss: loss.backward(),
+            device=torch.device("cpu"),
+            extra_loss=extra_loss,
+        )
+        losses.after_optimizer_step(model, [], torch.ones(()), ranks)
+        grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+        return grads, losses.step_metrics(), extra
+
+    def test_loss_is_normalized_over_the_step_not_the_micro_batch(self):
+        """Two micro-batches with different MTP counts give the gradient of the same documents in one: each depth's
+        loss is divided by its count over the whole step."""
+        model = initialized(tiny_config(mtp_layers=2))
+        rng = np.random.default_rng(3)
+        docs = [rng.integers(0, 160, n) for n in (9, 14, 5, 12)]
+        labels = [d.copy() for d in docs]
+        labels[2][:3] = -100  # fewer supervised tokens in the second micro-batch
+
+        def collate(idx: list[int]):
+            cat = np.concatenate
+            return collate_pack(
+                Pack(0, cat([docs[i] for i in idx]), cat([labels[i] for i in idx]), [len(docs[i]) for i in idx])
+            )
+
+        one = [collate([0, 1, 2, 3])]
+        two = [collate([0, 1]), collate([2, 3])]
+        grads_one, logged_one, extra_one = self._step(model, one)
+        grads_two, logged_two, _ = self._step(model, two)
+        assert grads_one.keys() == grads_two.keys() and "mtp.1.eh_proj.weight" in grads_one
+        for key in grads_one:
+            torch.testing.assert_close(grads_two[key], grads_one[key], rtol=1e-4, atol=1e-7)
+        with torch.no_grad():
+            extras = model(seq_ctx=one[0].seq_ctx, labels=one[0].labels).extras
+        means = extras["mtp_loss_sum"] / extras["mtp_num_tokens"]
+        torch.testing.assert_close(extra_one[0].detach(), 0.3 * means.mean())  # DeepSeek: weight x mean over depths
+        for k in (1, 2):
+            torch.testing.assert_close(logged_one[f"mtp_loss_{k}"], means[k - 1])
+            torch.testing.assert_close(logged_two[f"mtp_loss_{k}"], means[k - 1])
+
+    def test_objectives_other_than_next_token_refuse_mtp(self):
+        spec = {"model_type": "deepseek_v3", "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 1,
+                "num_attention_heads": 2, "mtp_layers": 1}  # fmt: skip
+        assert [type(b) for b in family_training(LanguageModule(spec).model_config, None)] == [
+            RouterLosses,
+            MTPLosses,
+        ]
+        with pytest.raises(ConfigError, match="PreferenceModule does not train multi-token prediction"):
+            PreferenceModule(spec)
 
 
 class TestExport:

@@ -57,6 +57,9 @@ class ModelDims:
         router_bias: The router has a per-expert bias (a gate bias, or DeepSeek's score-correction bias).
         expert_bias: Routed experts have biases on their projections.
         sliding_windows: Per-layer attention window (``None``: full causal); empty means all full.
+        mtp_layers: Multi-token-prediction depths trained with the model (DeepSeek-V3 ``mtp_layers``); depth ``k``
+            is a decoder layer of index ``num_layers + k`` plus two input norms, the ``2h -> h`` projection and an
+            output norm, and runs the shared LM head once more.
         name: Display name.
     """
 
@@ -86,6 +89,7 @@ class ModelDims:
     router_bias: bool = False
     expert_bias: bool = False
     sliding_windows: tuple[int | None, ...] = ()
+    mtp_layers: int = 0
     name: str = "model"
 
     @classmethod
@@ -117,6 +121,7 @@ class ModelDims:
             attention_sinks=config.attention_sinks,
             mlp_bias=config.mlp_bias,
             sliding_windows=windows if any(w is not None for w in windows) else (),
+            mtp_layers=int(getattr(config, "mtp_layers", 0) or 0),
             name=name or type(config).__name__,
             **_mla_fields(config),
             **_moe_fields(config),
@@ -216,20 +221,39 @@ class ModelDims:
         router = self.num_experts * h + (self.num_experts if self.router_bias else 0)
         return h + router + 3 * h * self.shared_intermediate_size + experts
 
+    def mtp_layer_indices(self) -> range:
+        """range: Layer indices of the multi-token-prediction depths (after the decoder layers)."""
+        return range(self.num_layers, self.num_layers + self.mtp_layers)
+
+    def mtp_params(self, activated: bool = False) -> int:
+        """Parameters of the MTP depths: per depth a decoder layer, ``enorm``, ``hnorm``, ``eh_proj`` (``2h x h``)
+        and the output norm (the embedding and the LM head are the model's).
+
+        Args:
+            activated: Count only the routed experts one token activates.
+
+        Returns:
+            Parameter count (0 without MTP).
+        """
+        h = self.hidden_size
+        own = 3 * h + 2 * h * h + self.attention_params()
+        return sum(own + self.mlp_params(i, activated) for i in self.mtp_layer_indices())
+
     def parameter_counts(self) -> dict[str, int]:
         """Parameters by part.
 
         Returns:
             ``embedding``, ``attention`` (all layers), ``mlp`` (all layers, routed experts included), ``experts``
             (the routed share of ``mlp``), ``head`` (final norm + untied LM head), ``total`` and ``activated``
-            (what one token uses: top-k routed experts instead of all; the embedding included).
+            (what one token uses: top-k routed experts instead of all; the embedding included); with MTP depths
+            also ``mtp`` (their parameters, routed experts included; part of ``total``) and ``mtp_experts``.
         """
         layers = range(self.num_layers)
         embedding, head = self.embedding_params(), self.head_params()
         attention = self.attention_params() * self.num_layers
         mlp = sum(self.mlp_params(i) for i in layers)
         activated_mlp = sum(self.mlp_params(i, activated=True) for i in layers)
-        return {
+        counts = {
             "embedding": embedding,
             "attention": attention,
             "mlp": mlp,
@@ -238,14 +262,26 @@ class ModelDims:
             "total": embedding + attention + mlp + head,
             "activated": embedding + attention + activated_mlp + head,
         }
+        if self.mtp_layers:
+            counts["mtp"] = self.mtp_params()
+            counts["mtp_experts"] = sum(self.expert_params(i) for i in self.mtp_layer_indices())
+            counts["total"] += counts["mtp"]
+            counts["activated"] += self.mtp_params(activated=True)
+        return counts
 
     # ---- FLOPs ------------------------------------------------------------------------------------------------
 
     def compute_params(self) -> int:
-        """int: Activated parameters a token is multiplied with: all but the embedding, the LM head even when tied."""
+        """int: Activated parameters a token is multiplied with: all but the embedding, the LM head even when tied,
+        and once more per MTP depth."""
         counts = self.parameter_counts()
         tied_head = self.vocab_size * self.hidden_size if self.tie_word_embeddings else 0
-        return counts["activated"] - counts["embedding"] + tied_head
+        return (
+            counts["activated"]
+            - counts["embedding"]
+            + tied_head
+            + self.mtp_layers * self.vocab_size * self.hidden_size
+        )
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training (forward + backward) FLOPs per token of sequences of ``seq_len`` tokens.
@@ -264,7 +300,7 @@ class ModelDims:
             FLOPs per token.
         """
         windows = self.sliding_windows or (None,) * self.num_layers
-        keys = sum(_mean_attended_keys(seq_len, w) for w in windows)
+        keys = sum(_mean_attended_keys(seq_len, w) for w in windows) + self.mtp_layers * seq_len / 2
         return 6.0 * self.compute_params() + 6.0 * self.num_heads * (self.qk_head_dim + self.v_dim) * keys
 
 
@@ -336,8 +372,10 @@ def _mla_fields(config: DenseConfig) -> dict[str, int]:
 
 
 def _moe_fields(config: DenseConfig) -> dict[str, int | bool | tuple[int, ...]]:
-    """Expert dimensions of an MoE family config with at least one MoE layer (none otherwise)."""
-    moe_layers = tuple(filter(config.is_moe_layer, range(config.num_hidden_layers)))
+    """Expert dimensions of an MoE family config with at least one MoE layer (none otherwise); MTP depths count as
+    layers after the last one."""
+    depths = int(getattr(config, "mtp_layers", 0) or 0)
+    moe_layers = tuple(filter(config.is_moe_layer, range(config.num_hidden_layers + depths)))
     if not moe_layers:
         return {}
     return {

@@ -7,6 +7,7 @@ from xtl.module.experts import ClampedSwiGLUExperts, GroupedExperts
 from xtl.module.mla import MultiLatentAttention
 from xtl.module.mlp import GatedMLP
 from xtl.module.moe_block import MoEBlock, MoEDecoderLayer
+from xtl.module.mtp import MTPBlock
 from xtl.module.norm import RMSNorm
 from xtl.module.rope import RopeConfig, RotaryEmbedding
 from xtl.module.router import NoAuxTopKRouter, Router, RouterOutput, SoftmaxTopKRouter, TopKSoftmaxRouter
@@ -22,6 +23,7 @@ __all__ = [
     "MoEBlock",
     "MoEDecoderLayer",
     "MoEDispatcher",
+    "MTPBlock",
     "MultiHeadAttention",
     "MultiLatentAttention",
     "NoAuxTopKRouter",

@@ -155,6 +155,8 @@ class GRPOModule(LanguageModule):
         ConfigError: Settings out of range, a reference the objective cannot use.
     """
 
+    trains_mtp = False  # multi-token prediction belongs to next-token training
+
     def __init__(
         self,
         model: str | dict[str, Any],

@@ -955,7 +955,33 @@ class _Estimator:
         rows["layer_input_ckpt"] = dict.fromkeys(COLUMNS, 0.0) | {
             "acts": self.tokens * self._checkpoint_act_bytes(last)
         }
+        if self.d.mtp_layers:
+            rows["mtp"] = self._mtp_part()
         return rows
+
+    def _mtp_part(self) -> dict[str, float]:
+        """The multi-token-prediction depths (after the last layer, on the last stage): their weights, and per
+        micro-batch what they keep for backward (each depth's decoder layer under the run's recompute setting, its
+        input norms, projection input and output norm, and its loss's fp32 log-probabilities as the head's)."""
+        d, s = self.d, self.s
+        counts = d.parameter_counts()
+        dense, expert = (counts["mtp"] - counts["mtp_experts"]) / s.tp, counts["mtp_experts"] / s.ep
+        weights = self._frozen(dense, expert, 0.0) if s.lora_rank else self._full(dense + expert)
+        if not s.lora_rank:
+            weights |= self._states(dense, expert)
+        h, act = d.hidden_size, s.act_bytes
+        own = (2 * h + 2 * h + 2 * h) * act + 3 * FP32  # enorm/hnorm inputs, projection input, output norm
+        acts = 0.0
+        for depth, layer in enumerate(d.mtp_layer_indices()):
+            if s.recompute == "none" or depth % s.recompute_every_n_layers:
+                kept = self._attn_act_bytes() + self._mlp_act_bytes(layer)
+            elif s.recompute == "full":
+                kept = self._checkpoint_act_bytes(layer)
+            else:
+                kept = self._selective_attn_act_bytes() + self._selective_mlp_act_bytes(layer)
+            acts += (kept + own) * self.tokens
+        loss = self._head_part()["acts"] - (2 * h * act + FP32) * self.tokens  # the head's loss share
+        return weights | {"acts": acts + d.mtp_layers * loss}
 
     # ---- activations (bytes per token of one micro-batch, full tensor before tp) ------------------------------
     def _attn_act_bytes(self) -> float:
@@ -1054,7 +1080,7 @@ class _Estimator:
     def _zero3_phases(self) -> dict[str, Phase]:
         r = self._parts(0)
         n, layers = self.local_layers, self._stage_layers(0)
-        sharded = ("embed", "head", "all_attn", "all_mlp")
+        sharded = ("embed", "head", "all_attn", "all_mlp") + (("mtp",) if "mtp" in r else ())
         static = sum(r[p]["master_params"] + r[p]["opt_states"] for p in sharded)
         static_grad = sum(r[p]["master_grads"] for p in sharded)
         last = r["layer_attn"]["params"] + r["layer_mlp"]["params"] + r["layer_attn"]["acts"] + r["layer_mlp"]["acts"]
@@ -1067,6 +1093,7 @@ class _Estimator:
             ("gathered head: bf16 params + activations + loss logits", r["head"]["params"] + r["head"]["acts"]),
             ("embedding activations (token ids)", r["embed"]["acts"]),
             self._kept_item(layers[:-1], f"kept by the other {n - 1} layers"),
+            *self._mtp_item(r),
             *self._offload_in_flight(layers),
             *self._dequant_item(layers),
             *self._ulysses_item(),
@@ -1090,6 +1117,13 @@ class _Estimator:
             "microN_forward_end": Phase("microN_forward_end", sum(v for _, v in fwd2), fwd2),
         }
 
+    def _mtp_item(self, r: dict[str, dict[str, float]]) -> list[tuple[str, float]]:
+        """ZeRO-3, end of forward: what the MTP depths keep for backward, with one depth's gathered bf16 weights."""
+        if "mtp" not in r:
+            return []
+        label = f"MTP depths ({self.d.mtp_layers}): kept activations and loss log-probabilities, one depth gathered"
+        return [(label, r["mtp"]["acts"] + r["mtp"]["params"] / self.d.mtp_layers)]
+
     def _in_flight(self, stage: int) -> float:
         """Micro-batches whose activations a 1F1B stage holds (interleaved: more)."""
         s = self.s
@@ -1102,7 +1136,8 @@ class _Estimator:
         s, r = self.s, self._parts(stage)
         layers = self._stage_layers(stage)
         first_stage, last_stage = stage == 0, stage == s.pp - 1
-        names = ["all_attn", "all_mlp"] + (["embed"] if first_stage else []) + (["head"] if last_stage else [])
+        names = ["all_attn", "all_mlp"] + (["embed"] if first_stage else [])
+        names += (["head"] + (["mtp"] if "mtp" in r else [])) if last_stage else []
         static = sum(r[p][c] for p in names for c in COLUMNS if c != "acts")
         per_mb_label, per_mb = self._kept_item(layers, "kept by the layers")
         last = layers[-1]
@@ -1110,7 +1145,7 @@ class _Estimator:
         plain = not (self.checkpointed(last) or self.offloaded(last))
         working = 0.0 if plain else self._layer_acts(last) - self.kept(last)[0]
         per_mb += r["embed"]["acts"] if first_stage else 0.0
-        head = r["head"]["acts"] if last_stage else 0.0
+        head = r["head"]["acts"] + r.get("mtp", {}).get("acts", 0.0) if last_stage else 0.0
         flying = self._in_flight(stage)
         tag = f" (stage {stage})" if s.pp > 1 else ""
         static_item = (f"static: bf16 params + grads, sharded master params/grads + Adam states{tag}", static)

@@ -9,7 +9,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import lightning.pytorch as pl
 import numpy as np
@@ -74,10 +74,16 @@ class LanguageModule(pl.LightningModule):
         freeze: Model parts to freeze (``requires_grad=False``): ``vision``, ``merger``, ``language`` for a
             vision-language model (``BaseModel.parameter_parts``).
 
+    Multi-token prediction (DeepSeek-V3 ``mtp_layers``) adds its weighted per-depth losses to each micro-batch's
+    loss (:class:`~xtl.train.family.MTPLosses`); objectives other than next-token prediction refuse it
+    (:attr:`trains_mtp`).
+
     Raises:
         ConfigError: ``routing`` for a model without routed experts; ``freeze`` names an unknown part or all of
-            them.
+            them; ``mtp_layers`` with an objective that does not train it.
     """
+
+    trains_mtp: ClassVar[bool] = True  # the objective trains multi-token-prediction depths (next-token training)
 
     def __init__(
         self,
@@ -99,6 +105,11 @@ class LanguageModule(pl.LightningModule):
         self.model_config, self.hf_dir = resolve_model_config(model, model_overrides)
         self.family = family_of(self.model_config)
         self.family_training = family_training(self.model_config, routing)
+        if getattr(self.model_config, "mtp_layers", 0) and not self.trains_mtp:
+            raise ConfigError(
+                f"mtp_layers: {type(self).__name__} does not train multi-token prediction (a next-token objective "
+                "of LanguageModule); set mtp_layers to 0"
+            )
         self.freeze = list(freeze or [])
         self._check_freeze()
         self._transforms: list[ModelTransform] = []
@@ -184,6 +195,11 @@ class LanguageModule(pl.LightningModule):
                 "xtl predict / generate decode whole prompts on each process: set "
                 "trainer.strategy.init_args.context_parallel_size to 1 for them"
             )
+        if getattr(self.model_config, "mtp_layers", 0) and self.parallelizer.layout.cp > 1:
+            raise ConfigError(
+                "mtp_layers: multi-token prediction shifts tokens across context-parallel shares, which xtl does not "
+                "support; set trainer.strategy.init_args.context_parallel_size to 1 or mtp_layers to 0"
+            )
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """With context parallelism, keep this rank's share of each packed micro-batch (cut on the host, before the
@@ -264,6 +280,7 @@ class LanguageModule(pl.LightningModule):
         scheduler = self.lr_schedulers()
         for behaviour in self.family_training:
             behaviour.start_step(len(batch), self.device)
+            behaviour.count_step(batch, self._data_ranks())
         result = forward_backward(
             forward=forward,
             micro_batches=batch,

@@ -7,12 +7,13 @@ The family is chosen once, by the model config (:func:`family_of`: routed expert
   models), which ``freeze`` and ``optimizer.lr_scales`` name;
 - its training behaviours (:class:`FamilyTraining`): extra losses of each micro-batch, an update after the
   optimizer step and the metrics of the step. Models with routed experts get :class:`RouterTraining`'s router
-  losses, router metrics and the aux-loss-free bias update, set by ``model.init_args.routing``.
+  losses, router metrics and the aux-loss-free bias update, set by ``model.init_args.routing``; models with
+  multi-token-prediction depths (DeepSeek-V3 ``mtp_layers``) get :class:`MTPLosses`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +21,7 @@ import torch
 
 from xtl.errors import ConfigError
 from xtl.model import BaseModel, ModelOutput, TransformerConfig
+from xtl.module.mtp import mtp_target_counts
 from xtl.ops.moe_loss import balance_loss, z_loss
 
 
@@ -86,6 +88,10 @@ class FamilyTraining:
 
     def start_step(self, num_micro_batches: int, device: torch.device) -> None:
         """A step over ``num_micro_batches`` micro-batches begins."""
+
+    def count_step(self, micro_batches: Sequence[Any], ranks: DataRanks) -> None:
+        """Count what the step's losses are normalized by, before the first forward (``micro_batches``: this rank's
+        :class:`~xtl.data.collate.MicroBatch` es)."""
 
     def extra_loss(self, output: ModelOutput, ranks: DataRanks) -> torch.Tensor | None:
         """A term added to a micro-batch's loss (scaled like the summed cross-entropy), or ``None``."""
@@ -170,6 +176,62 @@ class RouterLosses(FamilyTraining):
         return dict(self._log)
 
 
+class MTPLosses(FamilyTraining):
+    """Multi-token prediction: each depth's cross-entropy, normalized like the next-token loss, weighted into it.
+
+    Depth ``k``'s loss is its summed cross-entropy over the step divided by the positions it scores in the step
+    over all micro-batches and data-parallel ranks (counted from the micro-batches' targets before the first
+    forward, as the next-token loss counts its tokens), so gradient accumulation and data parallelism leave it
+    unchanged. The term added to the training loss is ``weight`` times the mean over depths. Logged each step:
+    ``train/mtp_loss_<k>`` (``train/loss`` stays the next-token loss).
+
+    Args:
+        depths: MTP depths of the model.
+        weight: The config's ``mtp_loss_weight``.
+    """
+
+    def __init__(self, depths: int, weight: float) -> None:
+        self.depths = depths
+        self.weight = weight
+        self._tokens: torch.Tensor | None = None
+        self._sums: torch.Tensor | None = None
+        self._log: dict[str, torch.Tensor] = {}
+
+    def start_step(self, num_micro_batches: int, device: torch.device) -> None:
+        """Reset the step's loss sums."""
+        self._sums = torch.zeros(self.depths, device=device)
+        self._log = {}
+
+    def count_step(self, micro_batches: Sequence[Any], ranks: DataRanks) -> None:
+        """The positions each depth scores in the step, summed over the micro-batches and the data ranks."""
+        counts = torch.zeros(self.depths, device=self._sums.device)
+        for mb in micro_batches:
+            counts += mtp_target_counts(mb.labels, mb.seq_ctx.position_ids, self.depths).to(counts.device)
+        self._tokens = ranks.sum(counts)
+
+    def extra_loss(self, output: ModelOutput, ranks: DataRanks) -> torch.Tensor | None:
+        """``weight / depths * sum_k loss_sum_k / tokens_k``, scaled like the next-token loss."""
+        sums = output.extras.get("mtp_loss_sum")
+        if sums is None:
+            return None
+        self._sums += sums.detach().float()
+        per_depth = sums.float() / self._tokens.clamp(min=1)
+        return per_depth.sum() * (self.weight / self.depths * ranks.size)
+
+    def after_optimizer_step(
+        self, model: BaseModel, outputs: list[dict[str, Any]], applied: torch.Tensor, ranks: DataRanks
+    ) -> None:
+        """Each depth's mean cross-entropy over the step (the loss sums added over the data ranks)."""
+        if self._tokens is None:
+            return
+        means = ranks.sum(self._sums.clone()) / self._tokens.clamp(min=1)
+        self._log = {f"mtp_loss_{k}": means[k - 1] for k in range(1, self.depths + 1)}
+
+    def step_metrics(self) -> dict[str, torch.Tensor]:
+        """``mtp_loss_<k>`` of every depth (once the step is done)."""
+        return dict(self._log)
+
+
 def family_of(config: TransformerConfig) -> Family:
     """The family of a model config (a vision-language model's language model decides ``routed_experts``)."""
     experts, vision = bool(config.routed_experts), bool(config.vision_language)
@@ -186,11 +248,13 @@ def family_training(config: TransformerConfig, routing: RouterTraining | None) -
         ConfigError: ``routing`` is set for a model without routed experts.
     """
     family = family_of(config)
+    depths = int(getattr(config, "mtp_layers", 0) or 0)
+    mtp = [MTPLosses(depths, float(config.mtp_loss_weight))] if depths else []
     if not family.routed_experts:
         if routing is not None:
             model_type = getattr(config.hf_config_class, "model_type", type(config).__name__)
             raise ConfigError(
                 f"model.init_args.routing: {model_type} has no routed experts (a {family.name} model); remove routing"
             )
-        return []
-    return [RouterLosses(routing or RouterTraining(), config)]
+        return mtp
+    return [RouterLosses(routing or RouterTraining(), config), *mtp]

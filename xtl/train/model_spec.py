@@ -62,6 +62,13 @@ def resolve_model_config(
 def _construct(cls: type[TransformerConfig], fields: dict[str, Any], where: str) -> TransformerConfig:
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(fields) - known)
+    owners = sorted(
+        t for t, c in MODEL_TYPES.items() if unknown and unknown[0] in {f.name for f in dataclasses.fields(c)}
+    )
+    if owners:  # a field of other families (e.g. mtp_layers): say so briefly
+        raise ConfigError(
+            f"{where}: {unknown[0]} is a setting of {', '.join(owners)} models only, not of {cls.__name__}; remove it"
+        )
     if unknown:
         hints = "".join(did_you_mean(name, known) for name in unknown)
         raise ConfigError(

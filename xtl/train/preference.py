@@ -131,6 +131,8 @@ class PreferenceModule(LanguageModule):
             a paired loss).
     """
 
+    trains_mtp = False  # multi-token prediction belongs to next-token training
+
     def __init__(
         self,
         model: str | dict[str, Any],

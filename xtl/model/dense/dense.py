@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -21,6 +22,31 @@ from xtl.ops.selector import hf_impl_enabled
 
 if TYPE_CHECKING:
     from xtl.model.dense.config import DenseConfig
+
+
+@dataclass
+class ExtraHeadInputs:
+    """What a forward hands to :meth:`Dense.extra_heads` besides the final hidden states.
+
+    Attributes:
+        embeds: The input embeddings ``(B, T, C)``.
+        position_ids: Per-document positions ``(B, T)`` or ``(1, T)``.
+        position_embeddings: The rotary ``(cos, sin)`` of the positions.
+        mask: The attention mask of the call.
+        targets: Shifted targets ``(B, T)`` (``None``: no loss wanted, or per-token losses only).
+        rows: The positions the LM head and loss run on (``None``: every position).
+        attention_mask: The HF-style padding mask, if any.
+        seq_ctx: The packed batch, if any.
+    """
+
+    embeds: torch.Tensor
+    position_ids: torch.Tensor
+    position_embeddings: tuple[torch.Tensor, torch.Tensor]
+    mask: AttentionMaskSpec
+    targets: torch.Tensor | None
+    rows: torch.Tensor | None
+    attention_mask: torch.Tensor | None
+    seq_ctx: SequenceContext | None
 
 
 class Dense(BaseModel):
@@ -129,13 +155,13 @@ class Dense(BaseModel):
             targets = shift_labels(labels) if labels is not None else None
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("exactly one of input_ids and inputs_embeds must be given")
-        hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        embeds = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         if position_ids is None:
-            position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-        position_embeddings = self.rotary_emb(position_ids, hidden.dtype)
+            position_ids = torch.arange(embeds.shape[1], device=embeds.device).unsqueeze(0)
+        position_embeddings = self.rotary_emb(position_ids, embeds.dtype)
         cache = kv_cache or NO_KV_CACHE
-        mask = cache.begin(mask, hidden.shape[0], hidden.shape[1], hidden.device)
-        hidden, extras = self.run_layers(hidden, position_embeddings, mask, attention_mask, seq_ctx, cache)
+        mask = cache.begin(mask, embeds.shape[0], embeds.shape[1], embeds.device)
+        hidden, extras = self.run_layers(embeds, position_embeddings, mask, attention_mask, seq_ctx, cache)
         hidden = self.norm(hidden)
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         rows = seq_ctx.loss_positions if seq_ctx is not None and targets is not None else None
@@ -147,6 +173,22 @@ class Dense(BaseModel):
             and not hf_impl_enabled()
         ):
             keep = rows  # unsupervised rows add nothing to the loss: skip their head and loss work
+        else:
+            rows = None
+        extras = self.extra_heads(
+            hidden,
+            ExtraHeadInputs(
+                embeds=embeds,
+                position_ids=position_ids,
+                position_embeddings=position_embeddings,
+                mask=mask,
+                targets=None if return_token_losses else targets,
+                rows=rows,
+                attention_mask=attention_mask,
+                seq_ctx=seq_ctx,
+            ),
+            extras,
+        )
         positions = keep if isinstance(keep, torch.Tensor) else None
         if isinstance(keep, torch.Tensor):  # index_select: its backward is one index_add (no sort, no big buffers)
             hidden, targets = hidden.index_select(1, keep), None if targets is None else targets.index_select(1, keep)
@@ -180,6 +222,20 @@ class Dense(BaseModel):
         so that the ``Compile`` callback can compile it in place.
         """
         return lm_head_loss(hidden, self.lm_head.weight, targets, return_logits)
+
+    def extra_heads(
+        self, hidden: torch.Tensor, inputs: ExtraHeadInputs, extras: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """The family extras with those of heads that read the final hidden states besides the LM head (none here).
+
+        A family with more prediction heads (DeepSeek-V3's multi-token prediction) overrides this.
+
+        Args:
+            hidden: The final, normed hidden states ``(B, T, C)`` (all positions).
+            inputs: What the forward saw: embeddings, positions, mask, targets.
+            extras: The extras of the decoder layers.
+        """
+        return extras
 
     def head_token_losses(
         self, hidden: torch.Tensor, targets: torch.Tensor, return_logits: bool

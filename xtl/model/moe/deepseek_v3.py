@@ -6,16 +6,25 @@ import math
 import re
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 from transformers import DeepseekV3Config
 
+from xtl.model.dense.dense import ExtraHeadInputs
+from xtl.model.hf.errors import CheckpointError
 from xtl.model.moe.config import MoEConfig
-from xtl.model.moe.moe import MoE
+from xtl.model.moe.moe import MoE, router_token_mask
 from xtl.module.mla import MultiLatentAttention
+from xtl.module.moe_block import MoEBlock
+from xtl.module.mtp import MTPBlock, shift_within_documents
 from xtl.module.rope import RopeConfig
 from xtl.module.router import NoAuxTopKRouter, Router
+from xtl.ops.cross_entropy import IGNORE_INDEX
+from xtl.ops.moe_loss import router_statistics
 
 _LAYER_KEY = re.compile(r"model\.layers\.(\d+)\.")
+_MTP_KEY = re.compile(r"mtp\.(\d+)\.(.+)")
+_ROUTER_EXTRAS = ("router_prob_sum", "router_z_sum", "tokens_per_expert")
 
 
 @dataclass
@@ -24,8 +33,15 @@ class DeepSeekV3Config(MoEConfig):
 
     The first ``first_k_dense_replace`` layers are dense; the others route to ``n_routed_experts`` experts in
     ``n_group`` groups (``topk_group`` usable per token) and add ``n_shared_experts`` always-on experts.
-    Multi-token-prediction layers of the checkpoint (``model.layers.{num_hidden_layers}...``) are not built and
-    are ignored on load.
+
+    Multi-token prediction (MTP): ``num_mtp_layers`` (transformers' name of ``num_nextn_predict_layers``) says how
+    many MTP layers the checkpoint holds (``model.layers.{num_hidden_layers + k}...``); ``mtp_layers`` of them are
+    built and trained (0, the default: none, and the checkpoint's MTP layers are ignored on load).
+
+    Attributes:
+        mtp_layers: MTP depths to build and train (xtl's own field; at most ``num_mtp_layers``).
+        mtp_loss_weight: Weight of the MTP loss: the training loss is the next-token loss plus ``mtp_loss_weight``
+            times the mean over depths of each depth's cross-entropy (DeepSeek-V3: 0.3, later 0.1).
     """
 
     hf_config_class = DeepseekV3Config
@@ -49,10 +65,19 @@ class DeepSeekV3Config(MoEConfig):
     output_router_logits: bool = False
     bos_token_id: int | None = 0
     eos_token_id: int | list[int] | None = 1
+    mtp_layers: int = 0
+    mtp_loss_weight: float = 0.3
 
     def __post_init__(self) -> None:
         super().__post_init__()
         self.head_dim = self.qk_rope_head_dim  # the rotary width, as transformers derives it
+        if not 0 <= self.mtp_layers <= max(self.num_mtp_layers or 0, 0):
+            raise ValueError(
+                f"mtp_layers: {self.mtp_layers} is not within 0..num_mtp_layers ({self.num_mtp_layers}, the MTP "
+                "layers of the checkpoint); lower mtp_layers or raise num_mtp_layers"
+            )
+        if self.mtp_loss_weight < 0:
+            raise ValueError(f"mtp_loss_weight: {self.mtp_loss_weight} is negative; use a weight >= 0 (e.g. 0.3)")
 
     @property
     def num_routed_experts(self) -> int:
@@ -105,9 +130,94 @@ class DeepSeekV3Config(MoEConfig):
 
 
 class DeepSeekV3(MoE):
-    """:class:`MoE` with multi-head latent attention; checkpoint MTP layers are ignored."""
+    """:class:`MoE` with multi-head latent attention and ``config.mtp_layers`` multi-token-prediction depths.
+
+    MTP depth ``k`` (:class:`~xtl.module.mtp.MTPBlock` ``mtp[k-1]``) is built like decoder layer
+    ``num_hidden_layers + k - 1`` and shares the embedding and the LM head with the model. A forward with targets
+    (and without ``return_token_losses``) runs the depths after the main model and adds to ``extras``:
+
+    - ``mtp_loss_sum`` ``(D,)`` fp32, differentiable: depth ``k``'s summed cross-entropy of token ``t + k + 1`` at
+      each position ``t`` whose target is supervised and in ``t``'s document.
+    - ``mtp_num_tokens`` ``(D,)`` int64: the positions each depth scores.
+
+    The router statistics of MTP depths with experts follow those of the decoder layers (the order of
+    :meth:`moe_blocks`); a forward that does not run the depths gives them zero rows.
+
+    Checkpoint keys: a depth's own weights are ``model.layers.{num_hidden_layers + k - 1}.{enorm, hnorm, eh_proj,
+    shared_head.norm}`` plus its decoder layer's keys. The checkpoint's per-depth ``embed_tokens`` and
+    ``shared_head.head`` copies must equal the model's embedding and head (they load into the shared tensors) and
+    are written back as copies.
+    """
 
     config: DeepSeekV3Config
+
+    def __init__(self, config: DeepSeekV3Config) -> None:
+        super().__init__(config)
+        base = config.num_hidden_layers
+        self.mtp = nn.ModuleList(
+            MTPBlock(self.build_layer(base + k), config.hidden_size, config.rms_norm_eps, config.norm_class)
+            for k in range(config.mtp_layers)
+        )
+
+    # ---- parts: the MTP depths are blocks of their own stack ------------------------------------------------
+
+    def layer_stacks(self) -> dict[str, nn.ModuleList]:
+        """``language`` (the decoder layers), then ``mtp`` (the MTP depths, when built)."""
+        stacks = super().layer_stacks()
+        return {**stacks, "mtp": self.mtp} if len(self.mtp) else stacks
+
+    def attention_modules(self) -> list[nn.Module]:
+        """The self-attention of every decoder layer, then of every MTP depth."""
+        return super().attention_modules() + [block.layer.self_attn for block in self.mtp]
+
+    def moe_blocks(self) -> list[MoEBlock]:
+        """The MoE blocks of the decoder layers, then those of the MTP depths."""
+        return super().moe_blocks() + [block.layer.mlp for block in self.mtp if block.routed]
+
+    # ---- multi-token prediction ----------------------------------------------------------------------------
+
+    def extra_heads(
+        self, hidden: torch.Tensor, inputs: ExtraHeadInputs, extras: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """Run the MTP depths on ``hidden`` when there are targets; see the class docstring."""
+        routed = [block for block in self.mtp if block.routed]
+        if inputs.targets is None:
+            return self._with_mtp_router_rows(extras, [None] * len(routed))
+        token_mask = router_token_mask(hidden, inputs.attention_mask, inputs.seq_ctx)
+        stats, loss_sums, counts = [], [], []
+        for depth, block in enumerate(self.mtp, start=1):
+            embeds = shift_within_documents(inputs.embeds, inputs.position_ids, depth)
+            hidden, routing = block(hidden, embeds, inputs.position_embeddings, inputs.mask)
+            if routing is not None:
+                stats.append(router_statistics(routing.logits, routing.probs, routing.topk_ids, token_mask))
+            targets = shift_within_documents(inputs.targets, inputs.position_ids, depth, IGNORE_INDEX)
+            scored = hidden
+            if inputs.rows is not None:  # the rows whose target `depth` tokens later is supervised, and fillers
+                rows = inputs.rows - depth
+                rows = torch.where(rows >= 0, rows, hidden.shape[1] - 1)  # the last position never has a target
+                scored, targets = hidden.index_select(1, rows), targets.index_select(1, rows)
+            _, _, loss_sum, num_tokens = self.head_loss(scored, targets, False)
+            loss_sums.append(loss_sum.float())
+            counts.append(num_tokens)
+        extras = self._with_mtp_router_rows(extras, stats)
+        if loss_sums:
+            extras = {**extras, "mtp_loss_sum": torch.stack(loss_sums), "mtp_num_tokens": torch.stack(counts)}
+        return extras
+
+    def _with_mtp_router_rows(
+        self, extras: dict[str, torch.Tensor], stats: list[tuple[torch.Tensor, ...] | None]
+    ) -> dict[str, torch.Tensor]:
+        """The router extras with one more row per routed MTP depth (zeros where the depth did not run)."""
+        if not stats:
+            return extras
+        rows = {name: [extras[name]] for name in _ROUTER_EXTRAS}
+        for stat in stats:
+            for name, main in zip(_ROUTER_EXTRAS, (extras[n] for n in _ROUTER_EXTRAS)):
+                rows[name].append(main.new_zeros((1, *main.shape[1:])))
+            if stat is not None:
+                for name, value in zip(_ROUTER_EXTRAS, stat):
+                    rows[name][-1] = value.unsqueeze(0).to(rows[name][0].dtype)
+        return {**extras, **{name: torch.cat(parts) for name, parts in rows.items()}}
 
     def build_attention(self, layer_idx: int) -> nn.Module:
         """Multi-head latent attention (latent norms use transformers' fixed eps of 1e-6)."""
@@ -128,10 +238,62 @@ class DeepSeekV3(MoE):
             dropout=cfg.attention_dropout,
         )
 
+    # ---- HF key mapping: MTP depths are the checkpoint's layers after the last decoder layer -----------------
+
+    def to_hf_key_list(self, key: str) -> list[str]:
+        """MTP keys map to ``model.layers.{num_hidden_layers + k}``; the embedding and the head also to each built
+        depth's ``embed_tokens`` / ``shared_head.head`` copy."""
+        keys = super().to_hf_key_list(self._layer_key(key))
+        layers = [f"model.layers.{self.config.num_hidden_layers + k}" for k in range(len(self.mtp))]
+        tied = self.config.tie_word_embeddings
+        if key == "embed_tokens.weight":
+            keys += [f"{layer}.embed_tokens.weight" for layer in layers]
+            keys += [f"{layer}.shared_head.head.weight" for layer in layers] if tied else []
+        elif key == "lm_head.weight" and not tied:
+            keys += [f"{layer}.shared_head.head.weight" for layer in layers]
+        return keys
+
+    def hf_to_param(self, key: str, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """The layout hooks of :class:`MoE` on MTP keys; the embedding and head copies of the MTP depths must equal
+        the model's.
+
+        Raises:
+            CheckpointError: A depth's ``embed_tokens`` / ``shared_head.head`` differs from the model's.
+        """
+        if key in ("embed_tokens.weight", "lm_head.weight") and len(tensors) > 1:
+            names = self.to_hf_key_list(key)
+            for name, copy in zip(names[1:], tensors[1:]):
+                if not torch.equal(copy, tensors[0]):
+                    raise CheckpointError(
+                        f"{name} differs from {names[0]}: xtl shares the embedding and the head with the MTP "
+                        "layers; make the copies equal or set mtp_layers: 0"
+                    )
+            return tensors[0]
+        return super().hf_to_param(self._layer_key(key), tensors)
+
+    def param_to_hf(self, key: str, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Inverse of :meth:`hf_to_param`: the embedding and the head with one copy per MTP key."""
+        if key in ("embed_tokens.weight", "lm_head.weight"):
+            count = len(self.to_hf_key_list(key))
+            return [tensor] + [tensor.clone() for _ in range(count - 1)]
+        return super().param_to_hf(self._layer_key(key), tensor)
+
+    def _layer_key(self, key: str) -> str:
+        """The xtl key of an MTP parameter written as a key of layer ``num_hidden_layers + k`` (HF's names)."""
+        match = _MTP_KEY.fullmatch(key)
+        if match is None:
+            return key
+        rest = match[2]
+        if rest.startswith("layer."):
+            rest = rest.removeprefix("layer.")
+        elif rest.startswith("norm."):
+            rest = f"shared_head.{rest}"
+        return f"layers.{self.config.num_hidden_layers + int(match[1])}.{rest}"
+
     def _ignorable_hf_key(self, key: str) -> bool:
         match = _LAYER_KEY.match(key)
-        if match and int(match[1]) >= self.config.num_hidden_layers:
-            return True
+        if match and int(match[1]) >= self.config.num_hidden_layers + len(self.mtp):
+            return True  # MTP layers of the checkpoint that are not built
         return super()._ignorable_hf_key(key)
 
 

@@ -70,7 +70,7 @@ class MoE(Dense):
         kv_cache: KVCache = NO_KV_CACHE,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Run the layers, collecting router statistics of the MoE layers (see the class docstring)."""
-        token_mask = _router_token_mask(hidden, attention_mask, seq_ctx)
+        token_mask = router_token_mask(hidden, attention_mask, seq_ctx)
         stats = []
         for i, layer in enumerate(self.layers):
             if isinstance(layer, MoEDecoderLayer):
@@ -134,7 +134,7 @@ class MoE(Dense):
         }
 
 
-def _router_token_mask(
+def router_token_mask(
     hidden: torch.Tensor, attention_mask: torch.Tensor | None, seq_ctx: SequenceContext | None
 ) -> torch.Tensor | None:
     """``(B*T,)`` bool of the tokens that count for router statistics, or ``None`` when all count."""
