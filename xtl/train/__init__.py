@@ -3,7 +3,7 @@
 from xtl.train.base import LanguageModule
 from xtl.train.family import Family, RouterTraining, family_of
 from xtl.train.model_spec import resolve_model_config
-from xtl.train.optim import AdamWConfig, OptimizerConfig, ScheduleConfig, TorchOptimizer
+from xtl.train.optim import AdamWConfig, MuonConfig, OptimizerConfig, ScheduleConfig, TorchOptimizer
 from xtl.train.preference import PreferenceModule
 from xtl.train.preference_loss import PreferenceLoss
 from xtl.utils import resolve_path
@@ -36,6 +36,7 @@ __all__ = [
     "AdamWConfig",
     "Family",
     "LanguageModule",
+    "MuonConfig",
     "OptimizerConfig",
     "PreferenceLoss",
     "PreferenceModule",

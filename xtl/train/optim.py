@@ -12,6 +12,9 @@ it is picked by ``class_path``; ``AdamWConfig`` is the default, so its fields ma
         # optimizer:
         #   class_path: xtl.train.TorchOptimizer
         #   init_args: {name: torch.optim.SGD, lr: 0.1, kwargs: {momentum: 0.9}}
+        # optimizer:                                          # Muon on hidden matrices, AdamW on the rest
+        #   class_path: xtl.train.MuonConfig
+        #   init_args: {lr: 3.0e-3, adjust_lr: match_rms_adamw}
         schedule: {kind: cosine, warmup_steps: 30, min_lr_ratio: 0.05}
 """
 
@@ -20,6 +23,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import math
+import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,6 +34,8 @@ from torch import nn
 
 from xtl.errors import ConfigError, did_you_mean
 from xtl.model import BaseModel
+from xtl.module.experts import GroupedExperts
+from xtl.train.muon import NS_COEFFICIENTS, NS_EPS, NS_STEPS, AdjustLR, Muon
 
 ScheduleKind = Literal["cosine", "linear", "constant"]
 
@@ -112,6 +118,137 @@ class AdamWConfig(OptimizerConfig):
     def create(self, groups: list[dict], device: torch.device) -> torch.optim.Optimizer:
         """``torch.optim.AdamW`` over ``groups``."""
         return torch.optim.AdamW(groups, lr=self.lr, betas=tuple(self.betas), eps=self.eps, fused=True)
+
+
+@dataclass
+class MuonConfig(OptimizerConfig):
+    """Muon on the hidden weight matrices, AdamW on every other parameter: one :class:`xtl.train.muon.Muon`.
+
+    Muon orthogonalizes each matrix's Nesterov momentum with a Newton-Schulz iteration (grouped expert weights
+    ``[num_experts, m, n]``: each expert's matrix). Hidden matrices are the weights of ``nn.Linear`` layers (attention
+    and MLP projections, shared experts, MLA's low-rank projections, the vision tower's and merger's linear layers)
+    and the grouped expert weights; the embeddings, the LM head, norms, biases, routers and the vision patch
+    embedding (a convolution) go to AdamW. ``muon_params`` / ``adamw_params`` move parameters by name.
+
+    The groups of :meth:`OptimizerConfig.param_groups` (weight decay, ``lr_scales`` by model part) are kept and each
+    is split into its Muon and AdamW parameters. Under FSDP every rank gathers each hidden matrix's update once per
+    step (see :mod:`xtl.train.muon`).
+
+    Attributes:
+        momentum: Muon's momentum.
+        nesterov: Nesterov momentum.
+        ns_coefficients: ``(a, b, c)`` of the quintic Newton-Schulz iteration.
+        ns_steps: Newton-Schulz iterations.
+        eps: Lower bound of the norm a matrix is divided by before the iteration.
+        adjust_lr: ``original`` (torch.optim.Muon's default): the update is scaled by ``sqrt(max(1, m / n))`` for an
+            ``m x n`` matrix, and ``lr`` is Muon's own (~0.02); ``match_rms_adamw``: scaled by
+            ``0.2 * sqrt(max(m, n))``, the RMS of AdamW's update, so ``lr`` and ``weight_decay`` tuned for AdamW apply.
+        adamw_lr: Learning rate of the AdamW parameters (times their part's ``lr_scales``); ``None``: ``lr``, right
+            with ``match_rms_adamw``. With ``original`` set it to the AdamW learning rate.
+        adamw_betas: AdamW's coefficients of the running averages of the gradient and its square.
+        adamw_eps: AdamW's denominator term.
+        muon_params: Regular expressions (``re.search`` on the parameter name, e.g. ``lm_head``); a trainable
+            parameter of 2 or more dimensions that one matches goes to Muon.
+        adamw_params: Regular expressions; a trainable parameter that one matches goes to AdamW.
+
+    Raises:
+        ConfigError: A setting out of range, a pattern that does not compile, matches no trainable parameter,
+            names a parameter with fewer than 2 dimensions (``muon_params``) or names one the other list names too.
+    """
+
+    momentum: float = 0.95
+    nesterov: bool = True
+    ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS
+    ns_steps: int = NS_STEPS
+    eps: float = NS_EPS
+    adjust_lr: AdjustLR = "original"
+    adamw_lr: float | None = None
+    adamw_betas: tuple[float, float] = (0.9, 0.95)
+    adamw_eps: float = 1e-8
+    muon_params: list[str] = field(default_factory=list)
+    adamw_params: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.adjust_lr not in ("original", "match_rms_adamw"):
+            raise ConfigError(f"optimizer.adjust_lr: {self.adjust_lr!r} is not original or match_rms_adamw")
+        if not 0 <= self.momentum < 1:
+            raise ConfigError(f"optimizer.momentum must be in [0, 1), got {self.momentum}")
+        if len(self.ns_coefficients) != 3:
+            raise ConfigError(f"optimizer.ns_coefficients takes 3 numbers (a, b, c), got {self.ns_coefficients}")
+        if not 0 < self.ns_steps < 100:
+            raise ConfigError(f"optimizer.ns_steps must be in 1..99, got {self.ns_steps}")
+        if self.adamw_lr is not None and not self.adamw_lr >= 0:
+            raise ConfigError(f"optimizer.adamw_lr must be >= 0, got {self.adamw_lr}")
+        for key in ("muon_params", "adamw_params"):
+            for pattern in getattr(self, key):
+                try:
+                    re.compile(pattern)
+                except re.error as err:
+                    raise ConfigError(f"optimizer.{key}: {pattern!r} is not a regular expression ({err})") from None
+
+    def param_groups(self, model: nn.Module) -> list[dict]:
+        """:meth:`OptimizerConfig.param_groups`, each split into a Muon group (``use_muon: True``) and an AdamW
+        group (``use_muon: False``, learning rate ``adamw_lr`` x the part's scale) by :meth:`uses_muon`."""
+        muon = self.uses_muon(model)
+        by_id = {id(param): name for name, param in model.named_parameters()}
+        adamw_lr = self.lr if self.adamw_lr is None else self.adamw_lr
+        groups = []
+        for group in super().param_groups(model):
+            scale = self.lr_scales.get(group["name"], 1.0)
+            for use_muon in (True, False):
+                params = [p for p in group["params"] if muon[by_id[id(p)]] == use_muon]
+                if params:
+                    lr = group["lr"] if use_muon else adamw_lr * scale
+                    groups.append({**group, "params": params, "lr": lr, "use_muon": use_muon})
+        return groups
+
+    def uses_muon(self, model: nn.Module) -> dict[str, bool]:
+        """``parameter name -> whether Muon updates it``, for every trainable parameter of ``model``.
+
+        Raises:
+            ConfigError: A pattern of ``muon_params`` / ``adamw_params`` cannot be applied (see the class).
+        """
+        trainable = {name: param for name, param in model.named_parameters() if param.requires_grad}
+        hidden = _hidden_matrices(model)
+        forced: dict[str, dict[str, str]] = {}
+        for key in ("muon_params", "adamw_params"):
+            for pattern in getattr(self, key):
+                names = [name for name in trainable if re.search(pattern, name)]
+                if not names:
+                    raise ConfigError(
+                        f"optimizer.{key}: {pattern!r} matches no trainable parameter of {type(model).__name__} "
+                        f"(names look like {next(iter(trainable), '-')!r})"
+                    )
+                forced[key] = {**forced.get(key, {}), **dict.fromkeys(names, pattern)}
+        muon, adamw = forced.get("muon_params", {}), forced.get("adamw_params", {})
+        if both := sorted(muon.keys() & adamw.keys()):
+            raise ConfigError(
+                f"optimizer.muon_params ({muon[both[0]]!r}) and optimizer.adamw_params ({adamw[both[0]]!r}) both "
+                f"name {both[0]}; make the patterns exclusive"
+            )
+        for name, pattern in muon.items():
+            if trainable[name].ndim < 2:
+                raise ConfigError(
+                    f"optimizer.muon_params: {pattern!r} names {name} of shape {tuple(trainable[name].shape)}; Muon "
+                    "orthogonalizes matrices (2 or more dimensions), narrow the pattern"
+                )
+        return {name: name in muon or (name not in adamw and id(p) in hidden) for name, p in trainable.items()}
+
+    def create(self, groups: list[dict], device: torch.device) -> torch.optim.Optimizer:
+        """:class:`~xtl.train.muon.Muon` over ``groups`` (each group has ``use_muon``)."""
+        return Muon(
+            groups,
+            lr=self.lr,
+            weight_decay=self.weight_decay,
+            momentum=self.momentum,
+            nesterov=self.nesterov,
+            ns_coefficients=tuple(self.ns_coefficients),
+            ns_steps=self.ns_steps,
+            eps=self.eps,
+            adjust_lr=self.adjust_lr,
+            adamw_betas=tuple(self.adamw_betas),
+            adamw_eps=self.adamw_eps,
+        )
 
 
 @dataclass
@@ -244,3 +381,17 @@ def lr_lambda(kind: ScheduleKind, warmup_steps: int, total_steps: int, min_lr_ra
         return min_lr_ratio + (1.0 - min_lr_ratio) * shape
 
     return factor
+
+
+def _hidden_matrices(model: nn.Module) -> set[int]:
+    """``id``s of the hidden weight matrices: 2-D weights of ``nn.Linear`` layers other than the LM head, and the
+    grouped experts' 3-D weights. A parameter that another module shares (a tied head is the embedding) counts only
+    when every module holding it qualifies."""
+    verdicts: dict[int, bool] = {}
+    for module_name, module in model.named_modules():
+        for name, param in module.named_parameters(recurse=False):
+            linear = isinstance(module, nn.Linear) and name == "weight" and param.ndim == 2
+            linear = linear and module_name.rsplit(".", 1)[-1] != "lm_head"
+            experts = isinstance(module, GroupedExperts) and param.ndim == 3
+            verdicts[id(param)] = verdicts.get(id(param), True) and (linear or experts)
+    return {key for key, hidden in verdicts.items() if hidden}
