@@ -147,6 +147,15 @@ def _check_feature_acts(cell: Cell, result: dict, plain: dict) -> None:
     elif name == "grpo":  # step 0: every ratio 1, so the loss is minus the mean advantage, 0 in every group
         assert abs(float(result["losses"]["0"])) < 1e-6, result["losses"]
         assert {"train/ratio", "train/reward", "train/clip_region", "rollout/samples"} <= set(result["logged"])
+    elif name == "mtp":  # the depth trained: its loss is logged, and it changed the update
+        assert "train/mtp_loss_1" in result["logged"] and result["losses"]["1"] != plain["losses"]["1"]
+        assert probe["calls"]["mtp"] == probe["calls"]["language"][-1:], probe["calls"]  # ran with every forward
+    elif name == "lm_eval":  # scored at step 2 (every rank took part), logged and written by rank 0
+        assert "lm_eval/step_2.json" in probe["files"]
+        assert {"eval/tiny_choice/acc", "eval/tiny_exact/exact_match"} <= set(result["logged"])
+    elif name == "muon":  # the run's optimizer is Muon, with matrices in Muon groups, and it changed the update
+        assert probe["optimizer"]["class"] == "Muon" and probe["optimizer"]["muon_params"] > 0, probe["optimizer"]
+        assert result["losses"]["1"] != plain["losses"]["1"], (result["losses"], plain["losses"])
     elif name == "hf_export":
         files = set(probe["files"])
         assert "hf/final/config.json" in files and any(f.endswith(".safetensors") for f in files), files

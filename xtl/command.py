@@ -8,7 +8,7 @@ Examples::
     xtl validate --config configs/tiny_sft.yaml --ckpt_path runs/tiny_sft/checkpoints/last.ckpt
     xtl memory qwen3-8b --gpus-per-node 8 --seq-len 32768
     xtl convert to-fp8 --help
-    xtl eval --model runs/tiny_sft/hf/final --tasks tiny_choice,tiny_exact --apply-chat-template
+    xtl eval --help                                                  # lm-eval tasks on a checkpoint
 """
 
 from __future__ import annotations

@@ -174,6 +174,23 @@ FEATURES = (
     Feature("throughput", ("throughput.yaml",), "", "bitwise", "throughput / MFU logging"),
     Feature("hf_export", ("hf_export.yaml",), "", "bitwise", "HF export at the end"),
     Feature(
+        "muon",
+        ("muon.yaml",),
+        "",
+        "first_step",
+        "Muon on the hidden matrices (each routed expert's own), AdamW on the rest; `match_rms_adamw` at the "
+        "recipe's learning rate",
+    ),
+    Feature(
+        "lm_eval",
+        (),
+        "trainer:\n  callbacks+:\n    - class_path: xtl.callbacks.LMEval\n      init_args: {tasks: [tiny_choice, "
+        "tiny_exact], every_n_steps: 2, limit: 3, batch_size: 4, max_gen_toks: 4, apply_chat_template: true}\n",
+        "bitwise",
+        "lm-evaluation-harness on the model in training (`callbacks/lm_eval.yaml`'s shipped tiny tasks, fewer "
+        "documents): every rank scores its share of the requests",
+    ),
+    Feature(
         "dpo",
         (),
         "model:\n  class_path: xtl.train.PreferenceModule\n  init_args:\n"
@@ -202,6 +219,14 @@ FEATURES = (
         "objective",
         "GRPO with dynamic sampling: rollouts from the policy (xtl's cached sampler; ranks draw and decode in "
         "step), a format judger (an even number of characters), the tiny prompts",
+    ),
+    Feature(
+        "mtp",
+        (),
+        "model:\n  init_args:\n    model_overrides: {mtp_layers: 1}\n",
+        "first_step",
+        "multi-token prediction, 1 depth (`model_overrides: {mtp_layers: 1}`; `train/loss` stays the next-token "
+        "loss, logged with `train/mtp_loss_1`)",
     ),
 )
 
@@ -252,9 +277,15 @@ REFUSED: dict[tuple[str, str, str], str] = {
     ("vlm", "parity_check", "*"): "HFParityCheck compares decoder-only text models",
     ("vlm_moe", "parity_check", "*"): "HFParityCheck compares decoder-only text models",
     ("*", "parity_check", "cp"): "HFParityCheck runs whole documents on each process",
+    ("*", "lm_eval", "cp"): "LMEval runs whole requests on each process",
     ("*", "grpo", "cp"): "GRPOModule generates whole sequences on each rank",
     ("vlm", "grpo", "*"): "GRPOModule trains text models",
     ("vlm_moe", "grpo", "*"): "GRPOModule trains text models",
+    ("mla", "mtp", "cp"): "multi-token prediction shifts tokens across context-parallel shares",
+    **{
+        (f, "mtp", "*"): "mtp_layers is a setting of deepseek_v3 models only"
+        for f in ("dense", "moe", "sinks", "vlm", "vlm_moe")
+    },
 }
 
 

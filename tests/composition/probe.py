@@ -19,8 +19,8 @@ class Probe(pl.Callback):
 
     It holds: ``calls`` (part -> forward calls of each block's first linear layer: a recomputing block is called
     again in backward), ``trainable`` / ``total`` parameters, ``float8`` (fp8 linear layers), ``nf4`` (NF4
-    weights), ``compiled_frames`` (frames Dynamo compiled during the fit), ``offloaded_bytes`` and ``files`` (what
-    the run wrote under its root).
+    weights), ``compiled_frames`` (frames Dynamo compiled during the fit), ``offloaded_bytes``, ``files`` (what
+    the run wrote under its root) and ``optimizer`` (its class, and the parameters in Muon groups).
     """
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -48,9 +48,17 @@ class Probe(pl.Callback):
             "compiled_frames": compiled_frames() - self.frames,
             "offloaded_bytes": sum(cb.stats.offloaded_bytes for cb in offload),
             "files": sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()),
+            "optimizer": _optimizer(trainer),
         }
         if trainer.is_global_zero:
             atomic_write_bytes(root / "probe.json", json.dumps(record).encode())
+
+
+def _optimizer(trainer: pl.Trainer) -> dict[str, Any]:
+    """The class of the run's optimizer and how many parameters its Muon groups hold (``use_muon``)."""
+    optimizer = trainer.optimizers[0]
+    groups = [g for g in optimizer.param_groups if g.get("use_muon")]
+    return {"class": type(optimizer).__name__, "muon_params": sum(len(g["params"]) for g in groups)}
 
 
 def _counter(counts: list[int], index: int) -> Any:
