@@ -1,9 +1,10 @@
-"""Training throughput and peak memory of xtl vs a transformers ``Trainer``, each side in its own process.
+"""Training throughput and peak memory of xtl vs ``transformers.Trainer`` and TRL's ``SFTTrainer`` on the same
+objective, each side in its own process.
 
 Usage::
 
-    python benchmarks/train_step.py [--recipe tiny --steps 51 --pairs 5 --warmup 1 --threads 1
-                                     --precision auto --hf-sampling group_by_length --hf-accum 1]
+    python benchmarks/train_step.py [--recipe tiny --steps 51 --pairs 5 --warmup 1 --threads 1 --precision auto
+                                     --peers transformers,trl --hf-sampling group_by_length --hf-accum 1]
     python benchmarks/train_step.py --recipe synthetic [--steps 21 --hidden 256 --layers 4 --samples 1000
                                                         --pack 2048]
 
@@ -17,40 +18,55 @@ Method:
    mix with a long-tailed length distribution (log-normal, median ~``--median`` tokens, clipped to 32..1024, 20%
    two-turn) in packs of ``--pack`` tokens, one pack per step.
 2. Setup (one spawned child; nothing in it is timed): the recipe is parsed by xtl's own CLI classes, xtl's
-   tokenization cache is built (warm for every xtl run), the model's initial weights are saved as an HF
-   directory (both sides start from the same weights), and the same JSONL is tokenized for transformers with
-   the tokenizer's chat template in one batched ``datasets.map``, truncated to the pack length as xtl truncates
-   overlong samples, and saved to disk (warm for every transformers run). The transformers batch size is
-   ``round(xtl useful tokens per step / transformers mean sample length)`` so both sides see about the same
-   number of useful tokens per optimizer step. transformers' length-grouped sampler serves megabatches of 50
-   batches longest first, so its tokens per step match xtl's only over whole megabatches: the tiny default of
-   51 steps times 50 (a note is printed otherwise).
+   tokenization cache is built (warm for every xtl run) and the model's initial weights are saved as an HF
+   directory (every side starts from the same weights). The peers train on xtl's own samples: every document of
+   xtl's pack plan (tokenized by xtl's chat tokenize function with the recipe's template, truncated as xtl
+   truncates), saved as one dataset with ``input_ids``, ``labels`` (-100 outside xtl's loss mask: the assistant
+   turns) and the same mask as ``assistant_masks``. Setup asserts that every side scores the same tokens: the
+   supervised targets per document (labels after the causal shift) of xtl's collator (total), of the transformers
+   collator (per sample) and of TRL's packed, collated dataset (per document, matched by token ids) are identical;
+   that TRL's own chat route (``assistant_only_loss=True`` with a copy of the tokenizer's chat template carrying
+   ``{% generation %}`` markers) yields the same ids and mask on every sample; that TRL's padding-free batches give
+   the per-document logits on CPU SDPA (transformers derives a block-diagonal mask from packed ``position_ids``;
+   a control with attention across documents must differ); and that the peers' parameter groups and learning-rate
+   schedule equal xtl's. The transformers batch size is ``round(xtl useful tokens per step / mean sample length)``
+   so both sides see about the same number of useful tokens per optimizer step; transformers' length-grouped
+   sampler serves megabatches of 50 batches longest first, so its tokens per step match xtl's only over whole
+   megabatches: the tiny default of 51 steps times 50 (a note is printed otherwise).
 3. xtl (own spawned child per run): the ``xtl fit`` objects (``XTLCLI(..., run=False)`` on the recipe with
    ``--trainer.max_steps``, ``--trainer.precision``, a fresh temporary ``default_root_dir``, the warm cache dir
    and the progress bar off), then ``trainer.fit`` -- what ``xtl fit`` runs, CSV logging every step included.
    Each child imports only what its side uses (the xtl child never imports ``datasets``: it would add ~80 MiB
-   to its RSS).
-4. transformers (own spawned child per run): ``AutoModelForCausalLM`` (SDPA) from the saved weights,
-   ``transformers.Trainer`` on CPU with ``train_sampling_strategy=group_by_length`` (its length-grouped
-   sampler), ``bf16=True`` when xtl runs ``bf16-mixed`` (accelerate's CPU autocast), fused AdamW, the recipe's
-   learning rate, schedule and clipping, pad-to-longest batches (``DataCollatorForSeq2Seq``, labels padded with
-   -100), ``labels = input_ids``, no logging, no saving.
+   to its RSS; the peers never import Lightning).
+4. Peers (own spawned child per run; ``AutoModelForCausalLM`` with SDPA from the saved weights, CPU, ``bf16=True``
+   when xtl runs ``bf16-mixed`` (accelerate's CPU autocast), fused AdamW over xtl's parameter groups (no decay on
+   norms, biases, embeddings) with the recipe's lr/betas/eps/weight decay, xtl's warmup + cosine schedule to the
+   min lr ratio as a ``LambdaLR``, the recipe's clipping, no logging, no saving):
+
+   - ``transformers``: ``transformers.Trainer`` with ``train_sampling_strategy=group_by_length`` (its
+     length-grouped sampler), pad-to-longest batches (``DataCollatorForSeq2Seq``, labels padded with -100).
+   - ``trl``: ``trl.SFTTrainer`` on the pre-tokenized samples (``input_ids`` + ``assistant_masks``: TRL builds the
+     labels from the mask), ``packing=True``, ``packing_strategy="bfd"`` at the pack length, ``padding_free=True``
+     (one flattened row with ``position_ids``), one packed row per micro-batch and xtl's micro-batches per step as
+     gradient accumulation, and its default fused LM head (log-probs of supervised positions only, plus its
+     entropy/accuracy metrics every step).
 5. Measured in each run: the clock runs from the end of step 1 (warm-up, excluded) to the end of the last step;
    useful tokens are the non-padding tokens of steps 2..N (``MicroBatch.num_real_tokens``; the collated
-   ``attention_mask.sum()``), processed tokens include padding (``fill`` = useful / processed). Peak RSS is the
-   child's ``VmHWM`` (its own address space; a spawned child's ``ru_maxrss`` would start from its parent's peak).
-   Where the time goes, per step: forward (hooks on the model; xtl's fused head + loss computes its gradients
-   here), backward (``torch.Tensor.backward``, wrapped), optimizer step (torch's global optimizer step hooks),
-   the rest of the step body (train-batch start to end hooks: clipping, zero-grad, scheduler, logging) and the
-   time between steps (data loading, loop and callback overhead). Whether forward ran under autocast (and its
-   dtype) is recorded from inside the model.
+   ``attention_mask.sum()``; every token of a padding-free row), processed tokens include padding (``fill`` =
+   useful / processed), scored tokens are the supervised targets. Peak RSS is the child's ``VmHWM`` (its own
+   address space; a spawned child's ``ru_maxrss`` would start from its parent's peak). Where the time goes, per
+   step: forward (hooks on the model; xtl's and TRL's fused head + loss compute here), backward
+   (``torch.Tensor.backward``, wrapped), optimizer step (torch's global optimizer step hooks), the rest of the step
+   body (train-batch start to end hooks: clipping, zero-grad, scheduler, logging) and the time between steps (data
+   loading, loop and callback overhead). Whether forward ran under autocast (and its dtype) is recorded from inside
+   the model.
 6. Protocol (``benchmarks/_paired.py``): threads pinned in every child (``--threads``, default 1), ``--warmup``
-   untimed pairs of runs, then ``--pairs`` (>= 5) timed pairs whose order alternates (xtl first, then
-   transformers first, ...). Printed: both configurations, every pair, the median ratio xtl/transformers with
-   its min..max for useful tokens/s, for useful tokens per CPU second (process CPU time: with one thread it
-   barely moves when a shared machine deschedules a run, where wall-clock tokens/s can halve) and for peak
-   RSS, the median breakdown per side, and the acceptance check (tiny, bf16: useful tokens/s >= 1.3x at peak
-   RSS <= 0.6x).
+   untimed repetitions, then ``--pairs`` (>= 5) timed ones whose order alternates (xtl, transformers, trl; then
+   trl, transformers, xtl; ...). Printed: every configuration, every repetition, and per peer the median ratio
+   xtl/peer with its min..max for useful tokens/s, for useful tokens per CPU second (process CPU time: with one
+   thread it barely moves when a shared machine deschedules a run, where wall-clock tokens/s can halve) and for
+   peak RSS; the median breakdown per side; the strongest peer (highest median useful tokens/s, the default
+   reference); and the acceptance check against it (tiny, bf16: useful tokens/s >= 1.3x at peak RSS <= 0.6x).
 
 The parent process stays stdlib-only (its children do all the work).
 """
@@ -77,6 +93,8 @@ from _paired import PairedResult, add_protocol_args, load_average, pin_threads, 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_RECIPE = ROOT / "configs" / "tiny_sft.yaml"
 TARGET_SPEED, TARGET_MEMORY = 1.3, 0.6
+IGNORE_INDEX = -100
+PEERS = ("transformers", "trl")
 DEFAULT_STEPS = {"tiny": 51, "synthetic": 21}
 HF_MEGABATCH = 50  # transformers' LengthGroupedSampler sorts megabatches of 50 batches, longest batch first
 MIN_TOKENS, MAX_TOKENS = 32, 1024
@@ -102,6 +120,7 @@ class BenchConfig:
     hf_sampling: str
     hf_accum: int
     hf_batch: int
+    peers: list[str] = field(default_factory=list)
     xtl_args: list[str] = field(default_factory=list)
     hidden: int = 0
     layers: int = 0
@@ -118,6 +137,7 @@ class SideResult:
     name: str
     useful_tokens: int
     processed_tokens: int
+    scored_tokens: int
     seconds: float
     cpu_seconds: float
     steps_timed: int
@@ -219,10 +239,11 @@ def xtl_args(cfg: BenchConfig, data: Path | None, pack: int) -> list[str]:
 # ---- children ----------------------------------------------------------------------------------------------------
 
 
-def _child_setup(threads: int, uses_datasets: bool = True) -> None:
+def _child_setup(threads: int, uses_datasets: bool = True, uses_lightning: bool = True) -> None:
     """Pin threads and silence progress bars, info logs and known-harmless warnings in a child.
 
-    ``uses_datasets=False`` leaves the ``datasets`` library unimported (it would add to the xtl child's RSS).
+    ``uses_datasets=False`` leaves the ``datasets`` library unimported (it would add to the xtl child's RSS),
+    ``uses_lightning=False`` leaves Lightning unimported (the peers' RSS).
     """
     import logging
     import sys
@@ -230,7 +251,8 @@ def _child_setup(threads: int, uses_datasets: bool = True) -> None:
 
     sys.argv = sys.argv[:1]  # the parent's arguments are not the child's (LightningCLI would warn about them)
     pin_threads(threads)
-    import lightning.pytorch  # noqa: F401 - it sets its loggers to INFO on import: quiet them afterwards
+    if uses_lightning:
+        import lightning.pytorch  # noqa: F401 - it sets its loggers to INFO on import: quiet them afterwards
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
@@ -239,18 +261,21 @@ def _child_setup(threads: int, uses_datasets: bool = True) -> None:
         import datasets
 
         datasets.disable_progress_bars()
-    for name in ("lightning.pytorch", "lightning.fabric", "xtl"):
-        logging.getLogger(name).setLevel(logging.WARNING)
+    for name in ("lightning.pytorch", "lightning.fabric", "xtl", "trl"):
+        logging.getLogger(name).setLevel(logging.ERROR if name == "trl" else logging.WARNING)
     for message in (".*does not have many workers.*", ".*across ranks is zero.*", ".*LeafSpec.*is deprecated.*"):
         warnings.filterwarnings("ignore", message=message)
 
 
 def prepare(cfg: BenchConfig) -> dict[str, Any]:
-    """Parse the recipe with xtl's CLI, warm xtl's cache, save initial weights and the transformers dataset."""
+    """Parse the recipe with xtl's CLI, warm xtl's cache, save initial weights and the peers' dataset (xtl's own
+    samples), and assert that every side scores the same tokens with the same optimizer and schedule."""
     _child_setup(cfg.threads)
+    import dataclasses
+
+    import numpy as np
     import torch
-    from datasets import load_dataset
-    from transformers import AutoTokenizer
+    from datasets import Dataset
 
     from xtl.cli import XTLCLI
     from xtl.utils import resolve_path
@@ -263,7 +288,8 @@ def prepare(cfg: BenchConfig) -> dict[str, Any]:
     dm, module = cli.datamodule, cli.model
     dm.prepare_data()
     dm.setup()
-    report = dm.train_split.plan.report()
+    split = dm.train_split
+    plan, report = split.plan, split.plan.report()
     if cfg.recipe == "tiny":  # the recipe's from-scratch model, initialized as LanguageModule initializes it
         model = module.model_config.build()
         with torch.random.fork_rng(devices=[]):
@@ -271,43 +297,56 @@ def prepare(cfg: BenchConfig) -> dict[str, Any]:
             model.init_weights()
         model.save_hf(hf_dir)
     tokenizer_dir = str(Path(dm.load_tokenizer().name_or_path))
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     pack = dm.pack_max_length
 
-    def tokenize(batch: dict[str, list[Any]]) -> dict[str, list[Any]]:
-        full = tokenizer.apply_chat_template(batch["messages"], tokenize=True, return_dict=False)
-        ids = [x[:pack] for x in full]
-        return {
-            "input_ids": ids,
-            "attention_mask": [[1] * len(x) for x in ids],
-            "labels": ids,
-            "length": [len(x) for x in ids],
-            "cut": [len(x) - pack if len(x) > pack else 0 for x in full],
+    # The peers' samples are xtl's: every document of xtl's pack plan (truncated as xtl truncates), in source order,
+    # with xtl's labels (-100 outside its loss mask) and the same mask as TRL's ``assistant_masks`` column.
+    ids_list: list[list[int]] = []
+    labels_list: list[list[int]] = []
+    for k in np.argsort(plan.seg_sample, kind="stable").tolist():
+        ids, labels = split.data.tokens(int(plan.seg_sample[k]), int(plan.seg_start[k]), int(plan.seg_end[k]))
+        ids_list.append(ids.tolist())
+        labels_list.append(labels.tolist())
+    lengths = [len(x) for x in ids_list]
+    Dataset.from_dict(
+        {
+            "input_ids": ids_list,
+            "attention_mask": [[1] * n for n in lengths],
+            "labels": labels_list,
+            "assistant_masks": [[int(t != IGNORE_INDEX) for t in x] for x in labels_list],
+            "length": lengths,
         }
-
-    sources = [resolve_path(spec.path) for spec in dm.sources]
-    raw = load_dataset("json", data_files=sources, split="train", cache_dir=str(work / "hf_datasets_cache"))
-    dataset = raw.map(tokenize, batched=True, remove_columns=raw.column_names)
-    lengths, cut = dataset["length"], dataset["cut"]
-    dataset.remove_columns(["cut"]).save_to_disk(str(work / "hf_data"))
+    ).save_to_disk(str(work / "hf_data"))
     xtl_tokens_per_step = report["tokens"] / report["packs"] * dm.micro_batches_per_step
     mean = statistics.fmean(lengths)
     optimizer, schedule = module.optimizer_config, module.schedule
+    hf = {
+        "lr": optimizer.lr,
+        "weight_decay": optimizer.weight_decay,
+        "no_decay_norm_bias_embed": optimizer.no_decay_norm_bias_embed,
+        "betas": list(optimizer.betas),
+        "eps": optimizer.eps,
+        "warmup_steps": schedule.warmup_steps,
+        "schedule": schedule.kind,
+        "min_lr_ratio": schedule.min_lr_ratio,
+        "total_steps": int(schedule.decay_steps or cfg.steps),  # what LanguageModule._total_steps gives xtl's run
+        "max_grad_norm": module.hparams.max_grad_norm,
+        "max_length": pack,
+        "micro_batches": dm.micro_batches_per_step,
+    }
+    hf_batch = cfg.hf_batch or max(1, round(xtl_tokens_per_step / mean / cfg.hf_accum))
+    full = dataclasses.replace(
+        cfg, hf_dir=str(hf_dir), hf_data=str(work / "hf_data"), tokenizer=tokenizer_dir, hf=hf, hf_batch=hf_batch
+    )
+    checks = _check_same_objective(full, dm, module, ids_list, labels_list)
+    sources = [resolve_path(spec.path) for spec in dm.sources]
     return {
-        "hf_dir": str(hf_dir),
-        "hf_data": str(work / "hf_data"),
+        "hf_dir": full.hf_dir,
+        "hf_data": full.hf_data,
         "tokenizer": tokenizer_dir,
-        "hf": {
-            "lr": optimizer.lr,
-            "weight_decay": optimizer.weight_decay,
-            "betas": list(optimizer.betas),
-            "eps": optimizer.eps,
-            "warmup_steps": schedule.warmup_steps,
-            "schedule": schedule.kind,
-            "min_lr_ratio": schedule.min_lr_ratio,
-            "max_grad_norm": module.hparams.max_grad_norm,
-            "max_length": pack,
-        },
+        "hf": hf,
+        "hf_batch": hf_batch,
+        "checks": checks,
         "model": _describe(module.model_config),
         "params": sum(p.numel() for p in module.model_config.build().parameters()),
         "pack": pack,
@@ -323,10 +362,140 @@ def prepare(cfg: BenchConfig) -> dict[str, Any]:
         "hf_mean": mean,
         "hf_median": statistics.median(lengths),
         "hf_max": max(lengths),
-        "hf_cut_samples": sum(1 for c in cut if c),
-        "hf_cut_tokens": sum(cut),
-        "hf_batch": cfg.hf_batch or max(1, round(xtl_tokens_per_step / mean / cfg.hf_accum)),
     }
+
+
+def _scored(labels: list[int]) -> int:
+    """Supervised targets of one document: labels that a causal shift inside the document uses (position 0 never)."""
+    return sum(1 for t in labels[1:] if t != IGNORE_INDEX)
+
+
+def _check_same_objective(
+    cfg: BenchConfig, dm: Any, module: Any, ids_list: list[list[int]], labels_list: list[list[int]]
+) -> list[str]:
+    """Assert that all three sides score the same tokens of the same documents, that TRL's padding-free batches are
+    correct on CPU SDPA, and that the peers' optimizer groups and schedule are xtl's. Returns the printed lines."""
+    import collections
+
+    import torch
+    from datasets import load_dataset, load_from_disk
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from xtl.train.optim import lr_lambda, param_groups
+    from xtl.utils import resolve_path
+
+    lines = []
+    scored = [_scored(x) for x in labels_list]
+    xtl_docs = collections.Counter((tuple(i), s) for i, s in zip(ids_list, scored))
+    # xtl: the supervised targets of its own collated micro-batches (all packs) are the per-document sum
+    split, collate = dm.train_split, dm.collator()
+    xtl_total = sum(mb.num_tokens for k in range(len(split.packs)) for mb in collate([split.packs[k]]))
+    assert xtl_total == sum(scored), f"xtl collator scores {xtl_total} targets, its samples {sum(scored)}"
+    # transformers: its collator over the saved dataset, per sample
+    tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer)
+    rows = load_from_disk(cfg.hf_data).remove_columns(["assistant_masks", "length"])
+    padder = _hf_collator(tokenizer)
+    hf_scored: list[int] = []
+    for a in range(0, len(rows), 256):
+        batch = padder([rows[k] for k in range(a, min(a + 256, len(rows)))])
+        hf_scored += (batch["labels"][:, 1:] != IGNORE_INDEX).sum(1).tolist()
+    assert hf_scored == scored, "transformers scores other tokens per sample than xtl"
+    # TRL: its prepared (BFD-packed) dataset, split into documents, and its padding-free collator
+    model = AutoModelForCausalLM.from_pretrained(cfg.hf_dir, attn_implementation="sdpa", dtype=torch.float32)
+    trainer = _trl_trainer(cfg, model, tokenizer, _trl_columns(load_from_disk(cfg.hf_data)), [])
+    packed = trainer.train_dataset
+    trl_docs: collections.Counter = collections.Counter()
+    trl_collated = 0
+    for row in packed:
+        a = 0
+        for n in row["seq_lengths"]:
+            trl_docs[(tuple(row["input_ids"][a : a + n]), _scored(row["labels"][a : a + n]))] += 1
+            a += n
+        trl_collated += int((trainer.data_collator([row])["labels"][:, 1:] != IGNORE_INDEX).sum())
+    assert trl_docs == xtl_docs, "TRL's packed documents or their scored tokens differ from xtl's"
+    assert trl_collated == sum(scored), f"TRL's collated batches score {trl_collated} targets, xtl {sum(scored)}"
+    lines.append(
+        f"same objective (asserted): {len(scored)} documents, {sum(scored)} scored tokens; scored tokens per document "
+        f"identical on all sides (xtl collator total {xtl_total}; transformers collator per sample; TRL {len(packed)} "
+        f"BFD rows split by seq_lengths, per (token ids, scored) and collated total {trl_collated})"
+    )
+    # TRL's own chat route: assistant_only_loss=True with a {% generation %}-marked copy of the chat template
+    marked = AutoTokenizer.from_pretrained(cfg.tokenizer)
+    marked.chat_template = _marked_template(marked.chat_template)
+    raw = load_dataset(
+        "json",
+        data_files=[resolve_path(spec.path) for spec in dm.sources],
+        split="train",
+        cache_dir=str(Path(cfg.work_dir) / "hf_datasets_cache"),
+    ).select_columns(["messages"])
+    native = _trl_trainer(cfg, model, marked, raw, [], assistant_only_loss=True).train_dataset
+    native_docs: collections.Counter = collections.Counter()
+    for row in native:
+        a = 0
+        for n in row["seq_lengths"]:
+            native_docs[(tuple(row["input_ids"][a : a + n]), _scored(row["labels"][a : a + n]))] += 1
+            a += n
+    assert native_docs == xtl_docs, "TRL's assistant_only_loss (marked template) differs from xtl's tokens or mask"
+    lines.append(
+        "TRL's chat route (assistant_only_loss=True, tokenizer template copy with {% generation %} around each "
+        "assistant body and its <|im_end|>) gives the same documents and scored tokens (asserted, all samples)"
+    )
+    # padding-free on CPU SDPA: a packed row's logits are the per-document logits (no attention across documents)
+    row = next(r for r in packed if len(r["seq_lengths"]) >= 2)
+    batch = trainer.data_collator([row])
+    model.eval()
+    with torch.no_grad():
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        logits = model(**inputs).logits[0]
+        pieces, a = [], 0
+        for n in row["seq_lengths"]:
+            pieces.append(model(input_ids=torch.tensor([row["input_ids"][a : a + n]])).logits[0])
+            a += n
+        diff = float((logits - torch.cat(pieces)).abs().max())
+        crossing = float((model(input_ids=batch["input_ids"]).logits[0] - torch.cat(pieces)).abs().max())
+    assert diff < 1e-3 < crossing, f"padding-free SDPA: packed vs per-document logits differ by {diff}"
+    lines.append(
+        f"TRL padding-free on CPU SDPA: transformers builds a block-diagonal causal mask from the packed position_ids "
+        f"(not varlen: full-row attention, masked); packed logits = per-document logits, max |diff| {diff:.1e} "
+        f"(control, attention across documents: {crossing:.1e}) (asserted)"
+    )
+    # optimizer groups and schedule: the peers' copies equal xtl's functions
+    hf = cfg.hf
+    ref = lr_lambda(hf["schedule"], hf["warmup_steps"], hf["total_steps"], hf["min_lr_ratio"])
+    mine = _lr_factor(hf["schedule"], hf["warmup_steps"], hf["total_steps"], hf["min_lr_ratio"])
+    assert all(ref(s) == mine(s) for s in range(hf["total_steps"] + 2)), "peer schedule differs from xtl's"
+    theirs = param_groups(model, hf["weight_decay"], hf["no_decay_norm_bias_embed"])
+    ours = _param_groups(model, hf["weight_decay"], hf["no_decay_norm_bias_embed"])
+    assert [({id(p) for p in g["params"]}, g["weight_decay"]) for g in theirs] == [
+        ({id(p) for p in g["params"]}, g["weight_decay"]) for g in ours
+    ], "peer parameter groups differ from xtl's"
+    assert module.optimizer_config.__class__.__name__ == "AdamWConfig", "the peers run AdamW: the recipe must too"
+    lines.append("peer optimizer groups and LambdaLR schedule = xtl.train.optim.param_groups / lr_lambda (asserted)")
+    return lines
+
+
+def _marked_template(template: str) -> str:
+    """The tokenizer's Qwen3 chat template with ``{% generation %}`` around what xtl's ``qwen3`` template scores:
+    each assistant turn's body (think block, content, tool calls) and its ``<|im_end|>``, not its header."""
+    edits = [  # the header first, then one generation block (Jinja blocks nest: it cannot open inside an if)
+        (
+            "{%- if loop.index0 > ns.last_query_index %}",
+            "{{- '<|im_start|>' + message.role + '\\n' }}{% generation %}"
+            "\n{%- if loop.index0 > ns.last_query_index %}",
+            1,
+        ),
+        ("{{- '<|im_start|>' + message.role + '\\n<think>\\n' + ", "{{- '<think>\\n' + ", 1),
+        ("{{- '<|im_start|>' + message.role + '\\n' + content }}", "{{- content }}", 2),
+        (
+            "{{- '<|im_end|>\\n' }}\n    {%- elif message.role == \"tool\" %}",
+            "{{- '<|im_end|>' }}{% endgeneration %}{{- '\\n' }}\n    {%- elif message.role == \"tool\" %}",
+            1,
+        ),
+    ]
+    for old, new, count in edits:
+        assert template.count(old) == count, f"unexpected chat template: {old!r} found {template.count(old)} times"
+        template = template.replace(old, new)
+    return template
 
 
 def _save_synthetic_model(cfg: BenchConfig, hf_dir: Path) -> None:
@@ -378,7 +547,7 @@ class StepTimer:
         import torch
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-        self.marks: list[tuple[float, float, float, dict[str, float], int, int]] = []
+        self.marks: list[tuple[float, float, float, dict[str, float], int, int, int]] = []
         self.spent = dict.fromkeys(self.PARTS, 0.0)
         self.autocast = "not seen"
         self._start = 0.0
@@ -411,10 +580,10 @@ class StepTimer:
         """Mark the start of an optimizer step's body."""
         self._start = time.perf_counter()
 
-    def step_end(self, useful: int, processed: int) -> None:
-        """Mark the end of an optimizer step with its useful and processed tokens."""
+    def step_end(self, useful: int, processed: int, scored: int) -> None:
+        """Mark the end of an optimizer step with its useful, processed and scored (supervised) tokens."""
         now = time.perf_counter()
-        self.marks.append((self._start, now, time.process_time(), dict(self.spent), useful, processed))
+        self.marks.append((self._start, now, time.process_time(), dict(self.spent), useful, processed, scored))
 
     def result(self, name: str) -> SideResult:
         """Sum steps 2..N (step 1 is warm-up) and read this process's peak RSS."""
@@ -427,6 +596,7 @@ class StepTimer:
             name=name,
             useful_tokens=sum(m[4] for m in timed),
             processed_tokens=sum(m[5] for m in timed),
+            scored_tokens=sum(m[6] for m in timed),
             seconds=last[1] - first[1],
             cpu_seconds=last[2] - first[2],
             steps_timed=len(timed),
@@ -476,7 +646,11 @@ def run_xtl(cfg: BenchConfig) -> SideResult:
         def on_train_batch_end(
             self, trainer: pl.Trainer, module: pl.LightningModule, outputs: Any, batch: Any, *_
         ) -> None:
-            timer.step_end(sum(mb.num_real_tokens for mb in batch), sum(mb.seq_ctx.seq_len for mb in batch))
+            timer.step_end(
+                sum(mb.num_real_tokens for mb in batch),
+                sum(mb.seq_ctx.seq_len for mb in batch),
+                sum(mb.num_tokens for mb in batch),
+            )
 
     root = tempfile.mkdtemp(prefix="xtl_run_", dir=cfg.work_dir)  # a fresh run folder (logs, checkpoints) per run
     with contextlib.redirect_stdout(io.StringIO()):  # the data summary line every run prints
@@ -486,81 +660,195 @@ def run_xtl(cfg: BenchConfig) -> SideResult:
     return timer.result("xtl")
 
 
-def run_transformers(cfg: BenchConfig) -> SideResult:
-    """Train with ``transformers.Trainer`` on pad-to-longest batches of the saved dataset."""
-    _child_setup(cfg.threads)
+def _lr_factor(kind: str, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> Any:
+    """A copy of ``xtl.train.optim.lr_lambda`` (the peers never import xtl; setup asserts the two are equal)."""
+
+    def factor(step: int) -> float:
+        if warmup_steps > 0 and step < warmup_steps:
+            return (step + 1) / warmup_steps
+        if kind == "constant":
+            return 1.0
+        decay_steps = max(1, total_steps - warmup_steps)
+        progress = min(1.0, (step - warmup_steps) / decay_steps)
+        shape = 0.5 * (1.0 + math.cos(math.pi * progress)) if kind == "cosine" else 1.0 - progress
+        return min_lr_ratio + (1.0 - min_lr_ratio) * shape
+
+    return factor
+
+
+def _param_groups(model: Any, weight_decay: float, no_decay_norm_bias_embed: bool) -> list[dict[str, Any]]:
+    """A copy of ``xtl.train.optim.param_groups``: no decay on norms, biases and embeddings (setup asserts it)."""
     import torch
-    from datasets import load_from_disk
-    from transformers import (
-        AutoModelForCausalLM,
-        AutoTokenizer,
-        DataCollatorForSeq2Seq,
-        PrinterCallback,
-        Trainer,
-        TrainerCallback,
-        TrainingArguments,
+
+    no_decay = set()
+    if no_decay_norm_bias_embed:
+        for module in model.modules():
+            for name, param in module.named_parameters(recurse=False):
+                embedding = isinstance(module, torch.nn.Embedding)
+                if embedding or "norm" in type(module).__name__.lower() or name.endswith("bias"):
+                    no_decay.add(id(param))
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if id(p) not in no_decay], "weight_decay": weight_decay}]
+    if any(id(p) in no_decay for p in params):
+        groups.append({"params": [p for p in params if id(p) in no_decay], "weight_decay": 0.0})
+    return groups
+
+
+def _peer_optimizers(model: Any, hf: dict[str, Any]) -> tuple[Any, Any]:
+    """xtl's optimizer and schedule for a peer: fused AdamW over xtl's groups, xtl's warmup + decay as LambdaLR."""
+    import torch
+
+    groups = _param_groups(model, hf["weight_decay"], hf["no_decay_norm_bias_embed"])
+    optimizer = torch.optim.AdamW(groups, lr=hf["lr"], betas=tuple(hf["betas"]), eps=hf["eps"], fused=True)
+    factor = _lr_factor(hf["schedule"], hf["warmup_steps"], hf["total_steps"], hf["min_lr_ratio"])
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def _peer_args(cfg: BenchConfig, name: str) -> dict[str, Any]:
+    """``TrainingArguments`` both peers share (the optimizer and schedule are passed as objects)."""
+    hf = cfg.hf
+    return {
+        "output_dir": str(Path(cfg.work_dir) / f"{name}_out"),
+        "max_steps": cfg.steps,
+        "learning_rate": hf["lr"],
+        "weight_decay": hf["weight_decay"],
+        "adam_beta1": hf["betas"][0],
+        "adam_beta2": hf["betas"][1],
+        "adam_epsilon": hf["eps"],
+        "warmup_steps": hf["warmup_steps"],
+        "max_grad_norm": hf["max_grad_norm"],
+        "bf16": cfg.precision == "bf16-mixed",
+        "use_cpu": True,
+        "report_to": [],
+        "save_strategy": "no",
+        "logging_strategy": "no",
+        "dataloader_num_workers": 0,
+        "disable_tqdm": True,
+        "seed": cfg.seed,
+    }
+
+
+def _hf_collator(tokenizer: Any) -> Any:
+    from transformers import DataCollatorForSeq2Seq
+
+    return DataCollatorForSeq2Seq(tokenizer, padding="longest", label_pad_token_id=IGNORE_INDEX, return_tensors="pt")
+
+
+def _trl_columns(dataset: Any) -> Any:
+    """The pre-tokenized columns TRL gets: ids and xtl's loss mask (TRL builds ``labels`` from ``assistant_masks``)."""
+    return dataset.select_columns(["input_ids", "assistant_masks"])
+
+
+def _trl_trainer(
+    cfg: BenchConfig, model: Any, tokenizer: Any, dataset: Any, callbacks: list[Any], assistant_only_loss: bool = False
+) -> Any:
+    """TRL's ``SFTTrainer``: BFD packing at the pack length, padding-free, one packed row per micro-batch and xtl's
+    micro-batches per step as accumulation. ``assistant_only_loss=True``: the chat route (raw ``messages``)."""
+    from trl import SFTConfig, SFTTrainer
+
+    args = SFTConfig(
+        **_peer_args(cfg, "trl"),
+        per_device_train_batch_size=1,
+        gradient_accumulation_steps=cfg.hf["micro_batches"],
+        max_length=cfg.hf["max_length"],
+        packing=True,
+        packing_strategy="bfd",
+        padding_free=True,
+        assistant_only_loss=assistant_only_loss,
+    )
+    return SFTTrainer(
+        model=model,
+        args=args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        optimizers=_peer_optimizers(model, cfg.hf),
+        callbacks=callbacks,
     )
 
-    tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer)
-    padder = DataCollatorForSeq2Seq(tokenizer, padding="longest", label_pad_token_id=-100, return_tensors="pt")
-    counts: list[tuple[int, int]] = []
 
-    def collate(features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        batch = padder(features)
-        mask = batch["attention_mask"]
-        counts.append((int(mask.sum()), mask.numel()))
-        return batch
-
-    timer = StepTimer()
+def _peer_clock(timer: StepTimer, counts: list[tuple[int, int, int]], accum: int) -> Any:
+    """A ``TrainerCallback`` marking steps with the token counts of their ``accum`` collated micro-batches."""
+    from transformers import TrainerCallback
 
     class Clock(TrainerCallback):
         def on_step_begin(self, *args: Any, **kwargs: Any) -> None:
             timer.step_start()
 
         def on_step_end(self, *args: Any, **kwargs: Any) -> None:
-            done = counts[len(timer.marks) * cfg.hf_accum : (len(timer.marks) + 1) * cfg.hf_accum]
-            timer.step_end(sum(c[0] for c in done), sum(c[1] for c in done))
+            done = counts[len(timer.marks) * accum : (len(timer.marks) + 1) * accum]
+            timer.step_end(*(sum(c[k] for c in done) for k in range(3)))
 
-    hf = cfg.hf
+    return Clock()
+
+
+def _counting(collate: Any, counts: list[tuple[int, int, int]]) -> Any:
+    """Wrap a collator to record (useful, processed, scored) tokens of every batch it builds (in order)."""
+
+    def wrapped(features: list[dict[str, Any]]) -> Any:
+        batch = collate(features)
+        ids = batch["input_ids"]
+        useful = int(batch["attention_mask"].sum()) if "attention_mask" in batch else ids.numel()  # padding-free
+        counts.append((useful, ids.numel(), int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())))
+        return batch
+
+    return wrapped
+
+
+def _peer_model(cfg: BenchConfig, timer: StepTimer) -> Any:
+    import torch
+    from transformers import AutoModelForCausalLM
+
     model = AutoModelForCausalLM.from_pretrained(cfg.hf_dir, attn_implementation="sdpa", dtype=torch.float32)
     timer.watch(model)
-    schedule = {"cosine": "cosine_with_min_lr", "linear": "linear", "constant": "constant_with_warmup"}
+    return model
+
+
+def run_transformers(cfg: BenchConfig) -> SideResult:
+    """Train with ``transformers.Trainer`` on pad-to-longest batches of xtl's samples and labels."""
+    _child_setup(cfg.threads, uses_lightning=False)
+    from datasets import load_from_disk
+    from transformers import AutoTokenizer, PrinterCallback, Trainer, TrainingArguments
+
+    tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer)
+    counts: list[tuple[int, int, int]] = []
+    timer = StepTimer()
+    model = _peer_model(cfg, timer)
     args = TrainingArguments(
-        output_dir=str(Path(cfg.work_dir) / "hf_out"),
+        **_peer_args(cfg, "hf"),
         per_device_train_batch_size=cfg.hf_batch,
         gradient_accumulation_steps=cfg.hf_accum,
-        max_steps=cfg.steps,
-        learning_rate=hf["lr"],
-        weight_decay=hf["weight_decay"],
-        adam_beta1=hf["betas"][0],
-        adam_beta2=hf["betas"][1],
-        adam_epsilon=hf["eps"],
-        optim="adamw_torch_fused",
-        lr_scheduler_type=schedule.get(hf["schedule"], "linear"),
-        lr_scheduler_kwargs={"min_lr_rate": hf["min_lr_ratio"]} if hf["schedule"] == "cosine" else {},
-        warmup_steps=hf["warmup_steps"],
-        max_grad_norm=hf["max_grad_norm"],
-        bf16=cfg.precision == "bf16-mixed",
-        use_cpu=True,
-        report_to=[],
-        save_strategy="no",
-        logging_strategy="no",
-        dataloader_num_workers=0,
-        disable_tqdm=True,
-        seed=cfg.seed,
         train_sampling_strategy=cfg.hf_sampling,
     )
     trainer = Trainer(
         model=model,
         args=args,
-        train_dataset=load_from_disk(cfg.hf_data),
-        data_collator=collate,
+        train_dataset=load_from_disk(cfg.hf_data).remove_columns(["assistant_masks"]),
+        data_collator=_counting(_hf_collator(tokenizer), counts),
         processing_class=tokenizer,
-        callbacks=[Clock()],
+        optimizers=_peer_optimizers(model, cfg.hf),
+        callbacks=[_peer_clock(timer, counts, cfg.hf_accum)],
     )
     trainer.remove_callback(PrinterCallback)  # it prints the final metrics dict even with logging_strategy="no"
     trainer.train()
     return timer.result("transformers")
+
+
+def run_trl(cfg: BenchConfig) -> SideResult:
+    """Train with TRL's ``SFTTrainer``: BFD-packed, padding-free rows of xtl's samples and loss mask."""
+    _child_setup(cfg.threads, uses_lightning=False)
+    from datasets import load_from_disk
+    from transformers import AutoTokenizer, PrinterCallback
+
+    tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer)
+    counts: list[tuple[int, int, int]] = []
+    timer = StepTimer()
+    model = _peer_model(cfg, timer)
+    clock = _peer_clock(timer, counts, cfg.hf["micro_batches"])
+    trainer = _trl_trainer(cfg, model, tokenizer, _trl_columns(load_from_disk(cfg.hf_data)), [clock])
+    trainer.data_collator = _counting(trainer.data_collator, counts)  # padding-free takes no custom collator at init
+    trainer.remove_callback(PrinterCallback)
+    trainer.train()
+    return timer.result("trl")
 
 
 def _in_child(fn: Any, cfg: BenchConfig) -> Any:
@@ -597,16 +885,17 @@ def _breakdown(name: str, runs: list[SideResult]) -> str:
     parts = {key: statistics.median(r.per_step_ms()[key] for r in runs) for key in runs[0].per_step_ms()}
     useful = statistics.median(r.useful_tokens / r.steps_timed for r in runs)
     processed = statistics.median(r.processed_tokens / r.steps_timed for r in runs)
+    scored = statistics.median(r.scored_tokens / r.steps_timed for r in runs)
     step = parts["step"]
     shares = ", ".join(f"{k} {v:.1f} ms ({v / step:.0%})" for k, v in parts.items() if k != "step")
     return (
         f"{name:12s}: {step:.1f} ms/step = {shares} | tokens/step: {useful:.0f} useful of {processed:.0f} processed "
-        f"(fill {useful / processed:.3f})"
+        f"(fill {useful / processed:.3f}), {scored:.0f} scored"
     )
 
 
 def main() -> None:
-    """Parse arguments, prepare data and weights, run the pairs of child processes, print the comparison."""
+    """Parse arguments, prepare data and weights, run the repetitions of child processes, print the comparison."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_protocol_args(parser, pairs=5, warmup=1)
     parser.add_argument("--recipe", default="tiny", choices=["tiny", "synthetic"])
@@ -615,6 +904,9 @@ def main() -> None:
     )
     parser.add_argument("--precision", default="auto", choices=["auto", "bf16-mixed", "32-true"])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--peers", default=",".join(PEERS), help=f"comma-separated peers among {', '.join(PEERS)} (default: both)"
+    )
     parser.add_argument(
         "--hf-sampling", default="group_by_length", choices=["group_by_length", "random", "sequential"]
     )
@@ -631,6 +923,9 @@ def main() -> None:
     steps = args.steps or DEFAULT_STEPS[args.recipe]
     if steps < 2:
         parser.error("--steps must be >= 2 (step 1 is excluded as warm-up)")
+    peers = [p.strip() for p in args.peers.split(",") if p.strip()]
+    if not peers or any(p not in PEERS for p in peers):
+        parser.error(f"--peers: choose among {', '.join(PEERS)}")
     precision = args.precision if args.precision != "auto" else ("bf16-mixed" if _cpu_has_bf16() else "32-true")
     print(f"load average before: {load_average()}")
     start = time.perf_counter()
@@ -647,6 +942,7 @@ def main() -> None:
             hf_sampling=args.hf_sampling,
             hf_accum=args.hf_accum,
             hf_batch=args.hf_batch,
+            peers=peers,
             hidden=args.hidden,
             layers=args.layers,
         )
@@ -660,24 +956,28 @@ def main() -> None:
             setattr(cfg, key, info[key])
         _print_setup(cfg, info)
 
-        runs: dict[str, list[SideResult]] = {"xtl": [], "transformers": []}
+        runs: dict[str, list[SideResult]] = {"xtl": [], **{p: [] for p in peers}}
+        functions = {"transformers": run_transformers, "trl": run_trl}
 
-        def side(name: str, fn: Any) -> Any:
-            def run() -> float:
-                runs[name].append(_in_child(fn, cfg))
-                return runs[name][-1].useful_tok_s
+        def run_xtl_side() -> float:
+            runs["xtl"].append(_in_child(run_xtl, cfg))
+            return runs["xtl"][-1].useful_tok_s
 
-            return run
+        def run_peer_sides() -> float:  # the peers' own order alternates too: xtl, A, B | B, A, xtl | xtl, A, B ...
+            order = peers if len(runs[peers[0]]) % 2 == 0 else peers[::-1]
+            for name in order:
+                runs[name].append(_in_child(functions[name], cfg))
+            return runs[peers[0]][-1].useful_tok_s
 
         def on_pair(i: int, a: float, b: float) -> None:
-            x, h = runs["xtl"][-1], runs["transformers"][-1]
-            print(f"pair {i + 1} ({'xtl' if (args.warmup + i) % 2 == 0 else 'transformers'} first):", flush=True)
-            print(_run_line("xtl", x))
-            print(_run_line("transformers", h), flush=True)
+            first = "xtl" if (args.warmup + i) % 2 == 0 else peers[-1]
+            print(f"repetition {i + 1} ({first} first):", flush=True)
+            for name, results in runs.items():
+                print(_run_line(name, results[-1]), flush=True)
 
-        speed = run_pairs(
-            side("xtl", run_xtl),
-            side("transformers", run_transformers),
+        run_pairs(
+            run_xtl_side,
+            run_peer_sides,
             args.pairs,
             args.warmup,
             metric="useful tokens/s",
@@ -685,30 +985,41 @@ def main() -> None:
             on_pair=on_pair,
         )
     timed = {name: results[args.warmup :] for name, results in runs.items()}
-    cpu = PairedResult(
-        "useful tokens per CPU second",
-        a=[r.useful_tok_cpu_s for r in timed["xtl"]],
-        b=[r.useful_tok_cpu_s for r in timed["transformers"]],
-        higher_is_better=True,
-    )
-    memory = PairedResult(
-        "peak RSS MiB",
-        a=[r.peak_rss_bytes / 2**20 for r in timed["xtl"]],
-        b=[r.peak_rss_bytes / 2**20 for r in timed["transformers"]],
-    )
-    print(f"\nresults ({args.pairs} timed pairs after {args.warmup} warm-up pair(s), order alternating):")
-    print(speed.summary("xtl", "transformers"))
-    print(cpu.summary("xtl", "transformers"))
-    print(memory.summary("xtl", "transformers"))
+    print(f"\nresults ({args.pairs} timed repetitions after {args.warmup} warm-up(s), order alternating):")
+    speeds: dict[str, PairedResult] = {}
+    memories: dict[str, PairedResult] = {}
+    for peer in peers:
+        x, p = timed["xtl"], timed[peer]
+        speeds[peer] = PairedResult("useful tokens/s", [r.useful_tok_s for r in x], [r.useful_tok_s for r in p], True)
+        cpu = PairedResult(
+            "useful tokens per CPU second", [r.useful_tok_cpu_s for r in x], [r.useful_tok_cpu_s for r in p], True
+        )
+        memories[peer] = PairedResult(
+            "peak RSS MiB", [r.peak_rss_bytes / 2**20 for r in x], [r.peak_rss_bytes / 2**20 for r in p]
+        )
+        print(f"vs {peer}:")
+        for result in (speeds[peer], cpu, memories[peer]):
+            print("  " + result.summary("xtl", peer))
     print("where the time goes (median per timed step):")
     for name, results in timed.items():
         print(_breakdown(name, results))
-    ratio, mem = statistics.median(speed.ratios), statistics.median(memory.ratios)
+    strongest = max(peers, key=lambda p: statistics.median(speeds[p].b))
+    ratio, mem = statistics.median(speeds[strongest].ratios), statistics.median(memories[strongest].ratios)
+    print(
+        f"strongest peer (highest median useful tokens/s, the default reference): {strongest}; "
+        + "; ".join(
+            f"xtl/{p} useful tok/s {statistics.median(speeds[p].ratios):.3f} "
+            f"({min(speeds[p].ratios):.3f}..{max(speeds[p].ratios):.3f}), peak RSS "
+            f"{statistics.median(memories[p].ratios):.3f} "
+            f"({min(memories[p].ratios):.3f}..{max(memories[p].ratios):.3f})"
+            for p in peers
+        )
+    )
     if args.recipe == "tiny" and precision == "bf16-mixed":
         reached = ratio >= TARGET_SPEED and mem <= TARGET_MEMORY
         print(
-            f"acceptance (tiny, bf16): useful tok/s {ratio:.2f}x (>= {TARGET_SPEED}) at peak RSS {mem:.2f}x "
-            f"(<= {TARGET_MEMORY}): {'reached' if reached else 'NOT reached'}"
+            f"acceptance (tiny, bf16, vs {strongest}): useful tok/s {ratio:.2f}x (>= {TARGET_SPEED}) at peak RSS "
+            f"{mem:.2f}x (<= {TARGET_MEMORY}): {'reached' if reached else 'NOT reached'}"
         )
     print(f"total {time.perf_counter() - start:.0f} s; load average after: {load_average()}")
 
@@ -719,55 +1030,82 @@ def _print_setup(cfg: BenchConfig, info: dict[str, Any]) -> None:
     if report["dropped_overlong"]:
         xtl_cut += f", {report['dropped_overlong']} dropped"
     precision = "bf16-mixed (fp32 weights, CPU autocast bf16)" if cfg.precision == "bf16-mixed" else "fp32"
+    peer_precision = (
+        "bf16=True (accelerate CPU autocast bf16, fp32 weights)" if cfg.precision == "bf16-mixed" else "fp32"
+    )
     hf_tokens_per_step = cfg.hf_batch * cfg.hf_accum * info["hf_mean"]
+    optimizer = (
+        f"fused AdamW lr {hf['lr']}, betas {tuple(hf['betas'])}, eps {hf['eps']}, wd {hf['weight_decay']} (not on "
+        f"norms/biases/embeddings), clip {hf['max_grad_norm']}"
+    )
+    schedule = (
+        f"{hf['schedule']}, warmup {hf['warmup_steps']}, min lr ratio {hf['min_lr_ratio']}, over {hf['total_steps']} "
+        "steps"
+    )
+    data = "xtl's samples (xtl tokenization, recipe template, xtl truncation), pre-tokenized"
+    mask = "xtl's loss mask (assistant turns: body + <|im_end|>; not headers, prompts, system)"
     print(f"recipe {cfg.recipe}: model {info['model']}, {info['params'] / 1e6:.2f}M params")
     print(
-        f"data: {', '.join(info['sources'])} | xtl: {report['documents']} documents, {report['tokens']} tokens | "
-        f"transformers: {info['hf_samples']} samples, {info['hf_tokens']} tokens (mean {info['hf_mean']:.1f}, "
-        f"median {info['hf_median']:.0f}, max {info['hf_max']})"
+        f"data: {', '.join(info['sources'])} | {report['documents']} documents, {report['tokens']} tokens (mean "
+        f"{info['hf_mean']:.1f}, median {info['hf_median']:.0f}, max {info['hf_max']}); overlong "
+        f"{info['overlong']} at {info['pack']}: {xtl_cut}"
     )
+    for line in info["checks"]:
+        print(f"check: {line}")
     print(f"{cfg.steps} steps per run (step 1 excluded), threads {cfg.threads} per child")
-    if cfg.hf_sampling == "group_by_length" and (cfg.steps - 1) % HF_MEGABATCH:
+    if "transformers" in cfg.peers and cfg.hf_sampling == "group_by_length" and (cfg.steps - 1) % HF_MEGABATCH:
         print(
             f"note: transformers' length-grouped sampler serves each megabatch of {HF_MEGABATCH} batches longest "
             f"first; {cfg.steps - 1} timed steps are not whole megabatches, so its tokens/step are biased (use "
             f"--steps {HF_MEGABATCH * max(1, round((cfg.steps - 1) / HF_MEGABATCH)) + 1})"
         )
-    print_configs(
-        xtl={
+    sides: dict[str, dict[str, Any]] = {
+        "xtl": {
             "runs": f"xtl fit --config {TINY_RECIPE.relative_to(ROOT)} " + " ".join(cfg.xtl_args[2:]),
             "precision": precision,
             "batch": f"{info['micro_batches']} packs x {info['pack']} tokens per step "
             f"(~{info['xtl_tokens_per_step']:.0f} useful tokens)",
             "ordering": f"{info['sampler']} pack order",
-            "packing": f"best-fit, plan fill {report['fill_ratio']:.3f}, packs padded to {info['pack']} [xtl-only]",
-            "truncation": f"overlong {info['overlong']} at {info['pack']}: {xtl_cut}",
+            "packing": f"best-fit, plan fill {report['fill_ratio']:.3f}, packs padded to {info['pack']}",
             "template": info["template"],
-            "attention": "sdpa per document",
-            "head+loss": "fused chunked LM head + CE, no logits materialized [xtl-only]",
-            "loss tokens": "assistant turns",
-            "optimizer": f"fused AdamW lr {hf['lr']}, wd {hf['weight_decay']}, clip {hf['max_grad_norm']}",
+            "attention": "sdpa per document (varlen: no compute across documents) [xtl-only]",
+            "head+loss": "fused chunked LM head + CE on supervised rows, no logits materialized",
+            "loss tokens": mask,
+            "optimizer": optimizer,
+            "schedule": schedule,
             "logging": "CSVLogger every step (recipe)",
         },
-        transformers={
+        "transformers": {
             "runs": "transformers.Trainer (use_cpu=True)",
-            "precision": "bf16=True (accelerate CPU autocast bf16, fp32 weights)"
-            if cfg.precision == "bf16-mixed"
-            else "fp32",
+            "precision": peer_precision,
             "batch": f"{cfg.hf_batch} samples x {cfg.hf_accum} accumulation per step "
             f"(~{hf_tokens_per_step:.0f} useful tokens)",
             "ordering": f"train_sampling_strategy={cfg.hf_sampling}",
             "packing": "none: pad to longest in batch (DataCollatorForSeq2Seq)",
-            "truncation": f"{hf['max_length']} tokens: {info['hf_cut_samples']} samples truncated "
-            f"({info['hf_cut_tokens']} tokens cut)",
-            "template": "tokenizer chat template, batched datasets.map",
-            "attention": "sdpa",
+            "data": data,
+            "attention": "sdpa (padding mask)",
             "head+loss": "full logits, ForCausalLMLoss",
-            "loss tokens": "all tokens (labels = input_ids)",
-            "optimizer": f"adamw_torch_fused lr {hf['lr']}, wd {hf['weight_decay']}, clip {hf['max_grad_norm']}",
+            "loss tokens": f"labels = {mask}",
+            "optimizer": optimizer + " (xtl's groups, passed as optimizers=)",
+            "schedule": schedule + " (xtl's lr_lambda as LambdaLR)",
             "logging": "none",
         },
-    )
+        "trl": {
+            "runs": "trl.SFTTrainer (use_cpu=True)",
+            "precision": peer_precision,
+            "batch": f"1 BFD row of <= {info['pack']} tokens x {info['micro_batches']} accumulation per step",
+            "ordering": "random row order (Trainer sampler)",
+            "packing": "packing=True, packing_strategy=bfd, padding_free=True (flattened rows + position_ids)",
+            "data": data + " (input_ids + assistant_masks)",
+            "attention": "sdpa, block-diagonal causal mask from position_ids (full row computed, masked)",
+            "head+loss": "TRL fused LM head (log-probs of supervised rows, + entropy/accuracy metrics)",
+            "loss tokens": f"assistant_masks = {mask} (= assistant_only_loss=True with the marked template)",
+            "optimizer": optimizer + " (xtl's groups, passed as optimizers=)",
+            "schedule": schedule + " (xtl's lr_lambda as LambdaLR)",
+            "logging": "none",
+        },
+    }
+    print_configs(**{name: config for name, config in sides.items() if name == "xtl" or name in cfg.peers})
 
 
 if __name__ == "__main__":
