@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 class TestRegistry:
     def test_names(self) -> None:
-        assert set(TOOLS) == {"memory", "convert", "check-hf-config", "check-parity", "generate"}
+        assert set(TOOLS) == {"memory", "convert", "check-hf-config", "check-parity", "generate", "eval"}
 
     @pytest.mark.parametrize("argv", [["--help"], ["to-fp8", "--help"], ["repack", "--help"], ["patch", "--help"]])
     def test_convert_help(self, argv: list[str], capsys: pytest.CaptureFixture) -> None:

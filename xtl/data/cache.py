@@ -16,6 +16,7 @@ folder and renamed into place; a ``filelock`` lock makes concurrent builders (ra
 
 from __future__ import annotations
 
+import gc
 import json
 import multiprocessing as mp
 import os
@@ -289,6 +290,10 @@ def _run_tasks(tasks: list[tuple[int, int]], source: Source, fn: TokenizeFn, num
             _init_worker(None, None)  # type: ignore[arg-type]
         return
     method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+    if method == "fork":
+        # Collect the parent's garbage before forking: a forked worker that collects an object whose native threads
+        # stayed in the parent (e.g. a dropped gloo process group) can block forever in its destructor.
+        gc.collect()
     previous = os.environ.get("TOKENIZERS_PARALLELISM")
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # each worker is one process; no Rust thread pool inside
     try:
