@@ -182,16 +182,16 @@ class XTLLM(TemplateLM):
                 raise ValueError(
                     f"max_gen_toks {budget} leaves no room for the context in max_length {self.max_length}"
                 )
-            order = sorted(indices, key=lambda i: -len(self.tok_encode(requests[i].args[0])))
+            encoded = {i: self.tok_encode(requests[i].args[0])[-keep:] for i in indices}
+            order = sorted(indices, key=lambda i: -len(encoded[i]))
             for start in range(0, len(order), self.batch_size):
                 chunk = order[start : start + self.batch_size]
-                prompts = [self.tok_encode(requests[i].args[0])[-keep:] for i in chunk]
-                plans.append((chunk, prompts, settings, until, budget))
+                plans.append((chunk, [encoded[i] for i in chunk], settings, until, budget))
         out: list[str] = [""] * len(requests)
         for turn in range(self._agree(len(plans))):
             if turn < len(plans):
                 chunk, prompts, settings, until, budget = plans[turn]
-            else:  # this rank has no more requests: decode one finished token while the others decode
+            else:  # this rank has no more requests: one sequence, finished after one token, while the others decode
                 chunk, prompts, settings, until, budget = [], [[self.prefix_token_id]], {}, [], 1
             texts = self._decode(prompts, settings, until, budget)
             for index, text in zip(chunk, texts):
@@ -271,21 +271,14 @@ class XTLLM(TemplateLM):
 
     def _decode(self, prompts: list[list[int]], settings: dict[str, Any], until: list[str], budget: int) -> list[str]:
         """Decode ``prompts`` (in step with the other ranks) and cut each text at its first stop sequence."""
-        limits = [budget] * len(prompts)
-        if not until:  # a rank without requests: its single sequence is finished at once
-            limits = [1]
-        steps = self._agree(budget)
+        steps = self._agree(budget)  # the ranks decode in step up to the largest budget; each row stops at its own
 
         def stop_when(rows: list[list[int]]) -> list[bool]:
-            return [
-                len(row) >= limit or any(s in self.tok_decode(row) for s in until) for row, limit in zip(rows, limits)
-            ]
+            return [len(row) >= budget or any(s in self.tok_decode(row) for s in until) for row in rows]
 
         config = GenerationConfig(max_new_tokens=steps, stop_token_ids=(self.eot_token_id,), **settings)
         group = self.group if self.world_size > 1 else None
         rows = generate(self.model, prompts, config, group=group, stop_when=stop_when).sequences
-        if not until:
-            return []
         return [postprocess_generated_text(self.tok_decode(row[:budget]), until, None) for row in rows]
 
     def _agree(self, count: int) -> int:

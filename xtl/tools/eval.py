@@ -77,13 +77,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     import torch
-    from transformers import AutoTokenizer
 
     from xtl.callbacks.lm_eval_run import EvalSettings, require_lm_eval, resolve_tasks, run_lm_eval
-    from xtl.data.templates import TEMPLATES
     from xtl.errors import ConfigError
-    from xtl.tools.generate import load_model
-    from xtl.utils import atomic_write_bytes, resolve_path
+    from xtl.tools.generate import load_model_and_tokenizer
+    from xtl.utils import atomic_write_bytes
 
     limit = None if args.limit is None else (int(args.limit) if args.limit >= 1 else args.limit)
     try:
@@ -102,20 +100,12 @@ def _run(args: argparse.Namespace) -> int:
         tasks, manager = resolve_tasks(settings)
     except ConfigError as err:
         raise ToolInputError(re.sub(r"^(\w+)", lambda m: "--" + m.group(1).replace("_", "-"), str(err))) from None
-    if args.template is not None and args.template not in TEMPLATES:
-        raise ToolInputError(
-            f"--template {args.template!r} is not a built-in template; use one of {sorted(TEMPLATES)}"
-        )
-    model, hf_dir = load_model(Path(resolve_path(args.model)), args.device)
+    model, tokenizer, hf_dir = load_model_and_tokenizer(args.model, args.tokenizer, args.template, args.device)
     dtype = _dtype(args.dtype, hf_dir)
     if dtype != torch.float32:
         model = model.to(dtype)
-    tokenizer_path = Path(resolve_path(args.tokenizer or (str(hf_dir) if hf_dir else "tiny:")))
-    if not (tokenizer_path / "tokenizer_config.json").is_file() and not (tokenizer_path / "tokenizer.json").is_file():
-        raise ToolInputError(f"no tokenizer in {tokenizer_path}; pass --tokenizer DIR")
     from xtl.callbacks.lm_eval_model import XTLLM
 
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
     lm = XTLLM(model, tokenizer, args.batch_size, args.max_length, args.max_gen_toks, template=args.template)
     results = run_lm_eval(lm, settings, tasks, manager)
     from lm_eval.utils import make_table

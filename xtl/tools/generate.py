@@ -111,15 +111,43 @@ def load_model(path: Path, device: str = "cpu") -> tuple[BaseModel, Path | None]
     return model.eval(), None
 
 
+def load_model_and_tokenizer(
+    model: str, tokenizer: str | None, template: str | None, device: str = "cpu"
+) -> tuple[BaseModel, Any, Path | None]:
+    """The options ``--model``, ``--tokenizer`` and ``--template`` of a decoding tool, checked and loaded.
+
+    Args:
+        model: HF directory or Lightning checkpoint file (:func:`load_model`).
+        tokenizer: Tokenizer folder (``None``: the HF directory, or ``tiny:`` for a checkpoint).
+        template: A built-in chat template name, or ``None``.
+        device: Where to put the weights.
+
+    Returns:
+        The model (eval mode), its transformers tokenizer, and the HF directory (``None`` for a checkpoint file).
+
+    Raises:
+        ToolInputError: An unknown template, a bad model path, or a folder without a tokenizer.
+    """
+    from transformers import AutoTokenizer
+
+    from xtl.data.templates import TEMPLATES
+    from xtl.utils import resolve_path
+
+    if template is not None and template not in TEMPLATES:
+        raise ToolInputError(f"--template {template!r} is not a built-in template; use one of {sorted(TEMPLATES)}")
+    loaded, hf_dir = load_model(Path(resolve_path(model)), device)
+    tokenizer_path = Path(resolve_path(tokenizer or (str(hf_dir) if hf_dir else "tiny:")))
+    if not (tokenizer_path / "tokenizer_config.json").is_file() and not (tokenizer_path / "tokenizer.json").is_file():
+        raise ToolInputError(f"no tokenizer in {tokenizer_path}; pass --tokenizer DIR")
+    return loaded, AutoTokenizer.from_pretrained(tokenizer_path), hf_dir
+
+
 # ---- private ---------------------------------------------------------------------------------------------------
 
 
 def _run(args: argparse.Namespace) -> int:
-    from transformers import AutoTokenizer
 
-    from xtl.data.templates import TEMPLATES
     from xtl.train.generation import GenerationConfig, chat_prompt_ids, generate, split_thinking
-    from xtl.utils import resolve_path
 
     try:
         config = GenerationConfig(
@@ -131,18 +159,10 @@ def _run(args: argparse.Namespace) -> int:
         )
     except ValueError as err:
         raise ToolInputError(str(err)) from None
-    if args.template is not None and args.template not in TEMPLATES:
-        raise ToolInputError(
-            f"--template {args.template!r} is not a built-in template; use one of {sorted(TEMPLATES)}"
-        )
-    model, hf_dir = load_model(Path(resolve_path(args.model)), args.device)
-    tokenizer_path = Path(resolve_path(args.tokenizer or (str(hf_dir) if hf_dir else "tiny:")))
-    if not (tokenizer_path / "tokenizer_config.json").is_file() and not (tokenizer_path / "tokenizer.json").is_file():
-        raise ToolInputError(f"no tokenizer in {tokenizer_path}; pass --tokenizer DIR")
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    model, tokenizer, _ = load_model_and_tokenizer(args.model, args.tokenizer, args.template, args.device)
     if args.template is None and not tokenizer.chat_template:
         raise ToolInputError(
-            f"the tokenizer in {tokenizer_path} has no chat template; pass --template qwen3 (or another)"
+            f"the tokenizer in {tokenizer.name_or_path} has no chat template; pass --template qwen3 (or another)"
         )
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
         {"role": "user", "content": args.prompt}
