@@ -12,8 +12,8 @@ from xtl.ops.grouped_gemm import get_grouped_gemm_fn
 from xtl.ops.moe_dispatch import get_moe_combine_fn, get_moe_gather_fn
 from xtl.ops.moe_loss import balance_loss, z_loss
 from xtl.ops.moe_routing import get_router_logits_fn
-from xtl.ops.rms_norm import get_rms_norm_fn
-from xtl.ops.rope import apply_rotary_pos_emb
+from xtl.ops.rms_norm import get_add_rms_norm_fn, get_rms_norm_fn
+from xtl.ops.rope import apply_rotary_pos_emb, get_rope_fn
 from xtl.ops.selector import hf_impl, hf_impl_enabled
 from xtl.ops.vision import get_patch_embed_fn, get_vision_attn_fn
 
@@ -29,6 +29,7 @@ __all__ = [
     "causal_lm_loss",
     "cross_entropy_mean",
     "cross_entropy_sum",
+    "get_add_rms_norm_fn",
     "get_attn_impl_fn",
     "get_gate_up_layout",
     "get_grouped_gemm_fn",
@@ -36,6 +37,7 @@ __all__ = [
     "get_moe_gather_fn",
     "get_patch_embed_fn",
     "get_rms_norm_fn",
+    "get_rope_fn",
     "get_router_logits_fn",
     "get_vision_attn_fn",
     "hf_impl",

@@ -1,7 +1,8 @@
-"""RMSNorm implementations behind one selector."""
+"""RMSNorm implementations (alone, and fused with the residual add before it) behind selectors."""
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
 
 import torch
@@ -10,6 +11,7 @@ import torch.nn.functional as F
 from xtl.ops.selector import hf_impl_enabled
 
 RMSNormFn = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+AddRMSNormFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]]
 
 
 def get_rms_norm_fn(device: torch.device | None = None) -> RMSNormFn:
@@ -21,6 +23,59 @@ def get_rms_norm_fn(device: torch.device | None = None) -> RMSNormFn:
     if hf_impl_enabled() or device is None or device.type != "cuda":
         return rms_norm_hf
     return rms_norm_fused
+
+
+def get_add_rms_norm_fn(device: torch.device | None = None) -> AddRMSNormFn:
+    """Return the residual add + RMSNorm op ``fn(x, residual, weight, eps) -> (normed, summed)`` for ``device``.
+
+    ``summed = residual + x`` and ``normed = rms_norm(summed) * weight``. Under ``XTL_HF_IMPL`` and off CUDA:
+    :func:`add_rms_norm_torch`, the same ops as the unfused add then :func:`rms_norm_hf`; on CUDA
+    :func:`add_rms_norm_triton` (one pass over the row for both), or :func:`add_rms_norm_fused` (the unfused
+    add then what :func:`get_rms_norm_fn` picks on CUDA) where triton is not installed.
+
+    Args:
+        device: Where the inputs live (``None``: not CUDA).
+    """
+    if hf_impl_enabled() or device is None or device.type != "cuda":
+        return add_rms_norm_torch
+    if importlib.util.find_spec("triton") is None:
+        return add_rms_norm_fused
+    return add_rms_norm_triton
+
+
+def add_rms_norm_torch(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``summed = residual + x``, then :func:`rms_norm_hf` of it; returns ``(normed, summed)``.
+
+    Bitwise the unfused ``residual + x`` followed by an :class:`~xtl.module.norm.RMSNorm` off CUDA.
+    """
+    summed = residual + x
+    return rms_norm_hf(summed, weight, eps), summed
+
+
+def add_rms_norm_fused(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``summed = residual + x``, then :func:`rms_norm_fused` of it; returns ``(normed, summed)``."""
+    summed = residual + x
+    return rms_norm_fused(summed, weight, eps), summed
+
+
+def add_rms_norm_triton(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`add_rms_norm_torch` through the triton kernel of :mod:`xtl.ops.triton_rms_norm` (imported on call).
+
+    Statistics and products in fp32 with transformers' roundings; differentiable in ``x``, ``residual`` and
+    ``weight``. Inputs the kernel does not cover (different shapes or dtypes of ``x`` and ``residual``, rows longer
+    than 65536) go to :func:`add_rms_norm_fused`.
+    """
+    from xtl.ops.triton_rms_norm import add_rms_norm_supported, triton_add_rms_norm
+
+    if not add_rms_norm_supported(x, residual, weight):
+        return add_rms_norm_fused(x, residual, weight, eps)
+    return triton_add_rms_norm(x, residual, weight, eps)
 
 
 def rms_norm_hf(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
