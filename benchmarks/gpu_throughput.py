@@ -3,9 +3,9 @@
 Usage::
 
     python benchmarks/gpu_throughput.py [--models dense,moe --seqs 4096,16384
-                                         --configs baseline,flash,ckpt,compile,fp8,flash+compile+fp8
+                                         --configs baseline,flash,fused,ckpt,compile,fp8,flash+fused+compile+fp8
                                          --doc-tokens 2048 --warmup 3 --steps 6 --peak-tflops 989 --threads 8]
-    python benchmarks/gpu_throughput.py --dry-run      # print the matrix and FLOPs per token, run nothing
+    python benchmarks/gpu_throughput.py --dry-run      # print the plan: each configuration, FLOPs per token
 
 Method:
 
@@ -14,9 +14,12 @@ Method:
    and 16 experts (top-4, expert width 768).
 2. Configurations: ``baseline`` is ``attn_impl: sdpa`` (SDPA within documents) without callbacks; a
    configuration names the features it turns on, joined by ``+``: ``flash`` (``attn_impl: flash``, the
-   flash-attn varlen kernel), ``ckpt`` (``ActivationCheckpointing``, full), ``compile`` (``Compile``, inductor),
-   ``fp8`` (``FP8Training``, tensorwise). The callbacks are xtl's model transforms, applied in stage order on the
-   meta-built model as ``ParallelizingStrategy.parallelize`` applies them; the model is then materialized on the
+   flash-attn varlen kernel), ``fused`` (``fused_projections: true``: one q/k/v and one gate/up matmul),
+   ``ckpt`` (``ActivationCheckpointing``, full), ``compile`` (``Compile``, inductor), ``fp8`` (``FP8Training``,
+   tensorwise). Every configuration runs the CUDA kernels the op selectors pick there: the triton RoPE and residual
+   add + RMSNorm kernels (``xtl.ops.get_rope_fn``, ``xtl.ops.get_add_rms_norm_fn``) where triton is installed.
+   The callbacks are xtl's model transforms, applied in stage order on the meta-built model as
+   ``ParallelizingStrategy.parallelize`` applies them; the model is then materialized on the
    GPU with a fast on-device random init (``init_weights``' seeded CPU init is far slower and the values do not
    change the speed), then each transform's ``after_weights`` runs where it has one.
 3. One step is what ``LanguageModule.training_step`` runs on one packed micro-batch: forward under
@@ -52,8 +55,15 @@ from typing import Any
 
 from _paired import MIN_PAIRS, load_average, pin_threads
 
-FEATURES = ("flash", "ckpt", "compile", "fp8")
-DEFAULT_CONFIGS = "baseline,flash,ckpt,compile,fp8,flash+compile+fp8"
+FEATURES = ("flash", "fused", "ckpt", "compile", "fp8")
+FEATURE_SETTINGS = {
+    "flash": "attn_impl: flash (flash-attn varlen)",
+    "fused": "fused_projections: true (one q/k/v and one gate/up matmul)",
+    "ckpt": "ActivationCheckpointing(mode=full)",
+    "compile": "Compile() (inductor, per layer, head + loss)",
+    "fp8": "FP8Training(recipe=tensorwise)",
+}
+DEFAULT_CONFIGS = "baseline,flash,fused,ckpt,compile,fp8,flash+fused+compile+fp8"
 H100_BF16_DENSE_TFLOPS = 989.0
 MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "dense": ("qwen3-1.7b", {}),
@@ -103,8 +113,16 @@ def matrix(models: Sequence[str], seqs: Sequence[int], configs: Sequence[str]) -
     return [RunConfig(m, s, f) for m in models for s in seqs for f in features]
 
 
-def model_config(model: str, attn_impl: str = "sdpa") -> Any:
-    """The xtl model config of ``model`` (``dense`` or ``moe``) with the given ``attn_impl``."""
+def describe(run: RunConfig) -> str:
+    """What configuration ``run`` turns on, in words (the plan's line for it)."""
+    if not run.features:
+        return "attn_impl: sdpa, separate projections, no callbacks"
+    return "; ".join(FEATURE_SETTINGS[f] for f in FEATURES if f in run.features)
+
+
+def model_config(model: str, attn_impl: str = "sdpa", fused: bool = False) -> Any:
+    """The xtl model config of ``model`` (``dense`` or ``moe``) with the given ``attn_impl`` and
+    ``fused_projections``."""
     from xtl.model import get_model_config
 
     alias, overrides = MODELS[model]
@@ -112,7 +130,7 @@ def model_config(model: str, attn_impl: str = "sdpa") -> Any:
     fields = {f.name for f in dataclasses.fields(config)}
     if "num_hidden_layers" in overrides and "layer_types" in fields:  # per-layer types follow the layer count
         overrides = {"layer_types": None, **overrides}
-    return dataclasses.replace(config, **overrides, attn_impl=attn_impl)
+    return dataclasses.replace(config, **overrides, attn_impl=attn_impl, fused_projections=fused)
 
 
 def document_lengths(seq: int, doc_tokens: int, seed: int = 0) -> list[int]:
@@ -172,7 +190,7 @@ def build(run: RunConfig, device: Any) -> Any:
 
     from xtl.callbacks import ActivationCheckpointing, Compile, FP8Training
 
-    config = model_config(run.model, run.attn_impl)
+    config = model_config(run.model, run.attn_impl, "fused" in run.features)
     with torch.device("meta"):
         model = config.build()
     transforms = []
@@ -291,6 +309,8 @@ def _print_plan(args: argparse.Namespace) -> None:
         f"tokens, configurations {args.configs}; bf16 autocast, fp32 master weights, fused AdamW; {args.warmup} "
         f"warm-up + {args.steps} timed steps each; peak {args.peak_tflops} TFLOP/s"
     )
+    for name, run in {run.name: run for run in args.matrix}.items():
+        print(f"  {name}: {describe(run)}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

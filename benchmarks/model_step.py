@@ -3,13 +3,14 @@
 Usage::
 
     python benchmarks/model_step.py [--threads 1 --pairs 7 --warmup 1 --layers 4 --hidden 512 --seq 2048
-                                     --vocab 32000 --modes fp32,bf16 --autocast --no-memory]
+                                     --vocab 32000 --modes fp32,bf16 --autocast --no-memory --no-fused]
 
 Method:
 
 1. A Qwen3 model (``Qwen3Config`` + ``Qwen3ForCausalLM``, random init, seed 0) is saved once; each mode loads it
    on both sides: transformers ``AutoModelForCausalLM`` (``attn_implementation="sdpa"``, the fastest one on CPU)
-   and xtl's own model of the same config (``attn_impl: sdpa``) with ``from_hf``.
+   and xtl's own model of the same config (``attn_impl: sdpa``; ``fused_projections: true``, one q/k/v and one
+   gate/up matmul, unless ``--no-fused``) with ``from_hf``.
 2. Modes: ``fp32`` (fp32 weights), ``bf16`` (pure bf16 weights on both sides), ``autocast`` (``--autocast``: fp32
    weights, forward under ``torch.autocast(bfloat16)`` on both sides, backward outside it).
 3. One step is ``zero_grad(set_to_none)``, forward with loss, ``backward()`` on the same ``(1, seq)`` random
@@ -58,6 +59,9 @@ def main() -> None:
     parser.add_argument("--modes", default="fp32,bf16", help=f"comma-separated, of {','.join(MODES)}")
     parser.add_argument("--autocast", action="store_true", help="also run fp32 weights under bf16 autocast")
     parser.add_argument("--no-memory", action="store_true", help="skip the per-side peak memory subprocesses")
+    parser.add_argument(
+        "--no-fused", action="store_true", help="xtl with separate q/k/v and gate/up projections (fused by default)"
+    )
     parser.add_argument("--memory-worker", choices=SIDES, help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -86,7 +90,7 @@ def main() -> None:
 def _run_mode(args: argparse.Namespace, model_dir: Path, mode: str) -> None:
     steps, losses = {}, {}
     for side in SIDES:
-        model = _load(side, model_dir, mode)
+        model = _load(side, model_dir, mode, not args.no_fused)
         steps[side] = _step_fn(side, model, _tokens(args), mode)
         losses[side] = steps[side]()
     print(f"\n[{mode}] first-step loss: xtl {losses['xtl']:.5f} | transformers {losses['transformers']:.5f}")
@@ -135,8 +139,16 @@ def _configs(args: argparse.Namespace, mode: str) -> dict[str, dict[str, object]
             **common,
             "attention": "sdpa, per document",
             "head+loss": "fused chunked LM head + CE, no logits materialized [xtl-only]",
+            "projections": "q/k/v fused, gate/up fused: one matmul each [xtl-only]"
+            if not args.no_fused
+            else "separate q, k, v, gate, up (as transformers)",
         },
-        "transformers": {**common, "attention": "sdpa", "head+loss": "full fp32 logits, ForCausalLMLoss"},
+        "transformers": {
+            **common,
+            "attention": "sdpa",
+            "head+loss": "full fp32 logits, ForCausalLMLoss",
+            "projections": "separate q, k, v, gate, up",
+        },
     }
 
 
@@ -163,7 +175,7 @@ def _save_model(args: argparse.Namespace, path: Path) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def _load(side: str, path: Path, mode: str) -> torch.nn.Module:
+def _load(side: str, path: Path, mode: str, fused: bool) -> torch.nn.Module:
     dtype = torch.bfloat16 if mode == "bf16" else torch.float32
     if side == "transformers":
         from transformers import AutoModelForCausalLM
@@ -171,7 +183,7 @@ def _load(side: str, path: Path, mode: str) -> torch.nn.Module:
         return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").train()
     from xtl.train.model_spec import resolve_model_config
 
-    config, _ = resolve_model_config(str(path), {"attn_impl": "sdpa"})
+    config, _ = resolve_model_config(str(path), {"attn_impl": "sdpa", "fused_projections": fused})
     model = config.build()
     model.from_hf(path)
     return model.to(dtype).train()
@@ -208,6 +220,7 @@ def _step_fn(side: str, model: torch.nn.Module, ids: torch.Tensor, mode: str) ->
 def _memory_in_subprocess(args: argparse.Namespace, side: str, model_dir: Path, mode: str) -> int:
     cmd = [sys.executable, __file__, "--memory-worker", side, "--model-dir", str(model_dir), "--modes", mode]
     cmd += ["--threads", str(args.threads), "--seq", str(args.seq), "--vocab", str(args.vocab)]
+    cmd += ["--no-fused"] if args.no_fused else []
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     peaks = [line for line in proc.stdout.splitlines() if line.startswith("PEAK ")]
@@ -219,7 +232,7 @@ def _memory_in_subprocess(args: argparse.Namespace, side: str, model_dir: Path, 
 def _peak_step_bytes(side: str, model_dir: Path, mode: str, args: argparse.Namespace) -> int:
     """Peak RSS increase over one step after a warm-up step (this process runs one side only)."""
     _quiet()
-    step = _step_fn(side, _load(side, model_dir, mode), _tokens(args), mode)
+    step = _step_fn(side, _load(side, model_dir, mode, not args.no_fused), _tokens(args), mode)
     step()
     rss_before = _proc_status("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS

@@ -4,7 +4,8 @@ objective, each side in its own process.
 Usage::
 
     python benchmarks/train_step.py [--recipe tiny --steps 51 --pairs 5 --warmup 1 --threads 1 --precision auto
-                                     --peers transformers,trl --hf-sampling group_by_length --hf-accum 1]
+                                     --peers transformers,trl --hf-sampling group_by_length --hf-accum 1
+                                     --no-fused]
     python benchmarks/train_step.py --recipe synthetic [--steps 21 --hidden 256 --layers 4 --samples 1000
                                                         --pack 2048]
 
@@ -35,7 +36,8 @@ Method:
    megabatches: the tiny default of 51 steps times 50 (a note is printed otherwise).
 3. xtl (own spawned child per run): the ``xtl fit`` objects (``XTLCLI(..., run=False)`` on the recipe with
    ``--trainer.max_steps``, ``--trainer.precision``, a fresh temporary ``default_root_dir``, the warm cache dir
-   and the progress bar off), then ``trainer.fit`` -- what ``xtl fit`` runs, CSV logging every step included.
+   and the progress bar off; fused q/k/v and gate/up projections, ``model_overrides: {fused_projections: true}``,
+   unless ``--no-fused``), then ``trainer.fit`` -- what ``xtl fit`` runs, logging every step included.
    Each child imports only what its side uses (the xtl child never imports ``datasets``: it would add ~80 MiB
    to its RSS; the peers never import Lightning).
 4. Peers (own spawned child per run; ``AutoModelForCausalLM`` with SDPA from the saved weights, CPU, ``bf16=True``
@@ -124,6 +126,7 @@ class BenchConfig:
     xtl_args: list[str] = field(default_factory=list)
     hidden: int = 0
     layers: int = 0
+    fused: bool = True
     hf_dir: str = ""
     hf_data: str = ""
     tokenizer: str = ""
@@ -224,6 +227,8 @@ def xtl_args(cfg: BenchConfig, data: Path | None, pack: int) -> list[str]:
         f"--data.cache_dir={work / 'xtl_cache'}",
         "--data.progress=false",
     ]
+    if cfg.fused:
+        args.append('--model.init_args.model_overrides={"fused_projections": true}')
     if data is not None:
         args += [
             f"--model.init_args.model={work / 'hf_model'}",
@@ -912,6 +917,9 @@ def main() -> None:
     )
     parser.add_argument("--hf-accum", type=int, default=1, help="transformers gradient accumulation steps")
     parser.add_argument("--hf-batch", type=int, default=0, help="transformers batch size (0: matched useful tokens)")
+    parser.add_argument(
+        "--no-fused", action="store_true", help="xtl with separate q/k/v and gate/up projections (fused by default)"
+    )
     synthetic = parser.add_argument_group("synthetic recipe")
     synthetic.add_argument("--hidden", type=int, default=256, help="hidden size (heads = hidden/64, head_dim 64)")
     synthetic.add_argument("--layers", type=int, default=4)
@@ -944,6 +952,7 @@ def main() -> None:
             hf_batch=args.hf_batch,
             peers=peers,
             hidden=args.hidden,
+            fused=not args.no_fused,
             layers=args.layers,
         )
         data = None
@@ -1069,11 +1078,14 @@ def _print_setup(cfg: BenchConfig, info: dict[str, Any]) -> None:
             "packing": f"best-fit, plan fill {report['fill_ratio']:.3f}, packs padded to {info['pack']}",
             "template": info["template"],
             "attention": "sdpa per document (varlen: no compute across documents) [xtl-only]",
+            "projections": "q/k/v fused, gate/up fused: one matmul each [xtl-only]"
+            if cfg.fused
+            else "separate q, k, v, gate, up (as the peers)",
             "head+loss": "fused chunked LM head + CE on supervised rows, no logits materialized",
             "loss tokens": mask,
             "optimizer": optimizer,
             "schedule": schedule,
-            "logging": "CSVLogger every step (recipe)",
+            "logging": "every step (recipe), metrics.csv written every 50 steps (xtl.loggers.CSVLogger)",
         },
         "transformers": {
             "runs": "transformers.Trainer (use_cpu=True)",

@@ -129,6 +129,8 @@ def _check_feature_acts(cell: Cell, result: dict, plain: dict) -> None:
         assert probe["compiled_frames"] > 0 and "train/recompiles" in result["logged"]
     elif name == "fp8":
         assert probe["float8"] > 0
+    elif name == "fused":
+        assert probe["fused"] > 0 and not plain["probe"]["fused"], (probe["fused"], plain["probe"]["fused"])
     elif name in ("lora", "qlora"):
         assert 0 < probe["trainable"] < probe["total"]
         if name == "qlora":

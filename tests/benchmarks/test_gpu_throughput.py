@@ -25,11 +25,24 @@ class TestGpuThroughput:
     def test_default_matrix_covers_every_model_pack_and_configuration(self) -> None:
         bench = _bench()
         runs = bench.parse_args([]).matrix
-        assert len(runs) == 2 * 2 * 6
-        assert [(r.model, r.seq) for r in runs[:7:6]] == [("dense", 4096), ("dense", 16384)]
-        names = [r.name for r in runs[:6]]
-        assert names == ["baseline", "flash", "ckpt", "compile", "fp8", "flash+compile+fp8"]
+        assert len(runs) == 2 * 2 * 7
+        assert [(r.model, r.seq) for r in runs[:8:7]] == [("dense", 4096), ("dense", 16384)]
+        names = [r.name for r in runs[:7]]
+        assert names == ["baseline", "flash", "fused", "ckpt", "compile", "fp8", "flash+fused+compile+fp8"]
         assert [r.attn_impl for r in runs[:2]] == ["sdpa", "flash"]
+
+    def test_dry_run_names_each_configuration_and_what_it_turns_on(self, capsys) -> None:
+        bench = _bench()
+        assert bench.main(["--dry-run", "--models", "dense", "--seqs", "4096", "--configs", "baseline,fused+fp8"]) == 0
+        out = capsys.readouterr().out
+        assert "  baseline: attn_impl: sdpa, separate projections, no callbacks" in out
+        assert "  fused+fp8: fused_projections: true (one q/k/v and one gate/up matmul); " in out
+        assert "FP8Training(recipe=tensorwise)" in out
+
+    def test_fused_configuration_builds_fused_projections(self) -> None:
+        bench = _bench()
+        assert bench.model_config("dense", fused=True).fused_projections
+        assert not bench.model_config("dense").fused_projections
 
     def test_feature_order_and_duplicates_do_not_change_the_matrix(self) -> None:
         bench = _bench()

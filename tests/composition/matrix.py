@@ -221,6 +221,14 @@ FEATURES = (
         "step), a format judger (an even number of characters), the tiny prompts",
     ),
     Feature(
+        "fused",
+        (),
+        "model:\n  init_args:\n    model_overrides: {fused_projections: true}\n",
+        "close",
+        "fused projections: one q/k/v and one gate/up matmul (`model_overrides: {fused_projections: true}`; MLA "
+        "fuses its gated MLPs only, GPT-OSS its attention only)",
+    ),
+    Feature(
         "mtp",
         (),
         "model:\n  init_args:\n    model_overrides: {mtp_layers: 1}\n",

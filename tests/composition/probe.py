@@ -19,8 +19,9 @@ class Probe(pl.Callback):
 
     It holds: ``calls`` (part -> forward calls of each block's first linear layer: a recomputing block is called
     again in backward), ``trainable`` / ``total`` parameters, ``float8`` (fp8 linear layers), ``nf4`` (NF4
-    weights), ``compiled_frames`` (frames Dynamo compiled during the fit), ``offloaded_bytes``, ``files`` (what
-    the run wrote under its root) and ``optimizer`` (its class, and the parameters in Muon groups).
+    weights), ``fused`` (fused projections), ``compiled_frames`` (frames Dynamo compiled during the fit),
+    ``offloaded_bytes``, ``files`` (what the run wrote under its root) and ``optimizer`` (its class, and the
+    parameters in Muon groups).
     """
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -44,6 +45,7 @@ class Probe(pl.Callback):
             "trainable": sum(p.numel() for p in params if p.requires_grad),
             "total": sum(p.numel() for p in params),
             "float8": sum(type(m).__name__ == "Float8Linear" for m in model.modules()),
+            "fused": sum(len(getattr(m, "fused_parts", None) or {}) for m in model.modules()),
             "nf4": sum(type(p.data).__name__ == "NF4Tensor" or type(p).__name__ == "NF4Tensor" for p in params),
             "compiled_frames": compiled_frames() - self.frames,
             "offloaded_bytes": sum(cb.stats.offloaded_bytes for cb in offload),

@@ -12,6 +12,7 @@ from torch import nn
 
 from xtl.errors import ConfigError
 from xtl.model import BaseModel
+from xtl.model.base import has_fused_projections
 from xtl.model.hf.peft_adapter import (
     ADAPTER_CONFIG,
     hf_module_path,
@@ -111,7 +112,16 @@ class LoRA(pl.Callback, ModelTransform):
             self._use_adapter_config(Path(resolve_path(adapter_path)))
 
     def transform_model(self, model: BaseModel) -> BaseModel:
-        """Freeze every parameter and attach adapters to the matching linear layers (in place)."""
+        """Freeze every parameter and attach adapters to the matching linear layers (in place).
+
+        Raises:
+            ConfigError: The model fuses its projections (adapters are per HF projection) or no layer matches.
+        """
+        if has_fused_projections(model):
+            raise ConfigError(
+                "LoRA adapts the separate q/k/v and gate/up projections that fused_projections joins; "
+                "set model.init_args.model_overrides.fused_projections: false"
+            )
         model.requires_grad_(False)
         targets = [
             (name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear) and self._is_target(model, name)

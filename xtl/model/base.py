@@ -46,20 +46,59 @@ class BaseModel(nn.Module, ABC):
         return [key if key.startswith("lm_head.") else f"model.{key}"]
 
     def hf_keys(self, key: str) -> list[str]:
-        """:meth:`to_hf_key_list` followed by the config's ``hf_key_mapping`` remaps."""
+        """:meth:`to_hf_key_list` followed by the config's ``hf_key_mapping`` remaps.
+
+        A fused projection's parameter (:meth:`fused_param_parts`) maps to the keys of its parts, in order.
+        """
+        parts = self.fused_param_parts(key)
+        if parts:
+            return [hf_key for part, _ in parts for hf_key in self.hf_keys(part)]
         keys = self.to_hf_key_list(key)
         for pattern, repl in self.config.hf_key_mapping.items():
             keys = [re.sub(pattern, repl, k) for k in keys]
         return keys
 
     def hf_to_param(self, key: str, tensors: list[torch.Tensor]) -> torch.Tensor:
-        """Combine the HF tensors of ``key`` into the xtl parameter (default: concatenate on dim 0)."""
+        """Combine the HF tensors of ``key`` into the xtl parameter (default: concatenate on dim 0; a fused
+        projection concatenates its parts' parameters)."""
+        parts = self.fused_param_parts(key)
+        if parts:
+            pieces, start = [], 0
+            for part, _ in parts:
+                count = len(self.hf_keys(part))
+                pieces.append(self.hf_to_param(part, tensors[start : start + count]))
+                start += count
+            return torch.cat(pieces, dim=0)
         return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0)
 
     def param_to_hf(self, key: str, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Split the xtl parameter ``key`` into its HF tensors (inverse of :meth:`hf_to_param`)."""
+        parts = self.fused_param_parts(key)
+        if parts:
+            pieces = tensor.split([rows for _, rows in parts], dim=0)
+            return [hf.clone() for (part, _), piece in zip(parts, pieces) for hf in self.param_to_hf(part, piece)]
         n = len(self.to_hf_key_list(key))
         return [tensor] if n == 1 else list(tensor.chunk(n, dim=0))
+
+    def fused_param_parts(self, key: str) -> tuple[tuple[str, int], ...]:
+        """The parts of a fused projection's parameter ``key``: ``(unfused xtl key, rows)`` each, in row order;
+        empty for any other key.
+
+        A module declares its fused projections in a ``fused_parts`` dict, ``{child: ((part, rows), ...)}``
+        (e.g. ``qkv_proj`` of ``q_proj``, ``k_proj`` and ``v_proj``): ``layers.0.self_attn.qkv_proj.weight`` is
+        ``layers.0.self_attn.q_proj.weight`` and so on, stacked on dim 0.
+        """
+        owner_path, _, rest = key.rpartition(".")
+        owner_path, _, child = owner_path.rpartition(".")
+        try:
+            owner = self.get_submodule(owner_path) if owner_path else self
+        except AttributeError:
+            return ()
+        parts = getattr(owner, "fused_parts", None) or {}
+        if child not in parts:
+            return ()
+        prefix = f"{owner_path}." if owner_path else ""
+        return tuple((f"{prefix}{part}.{rest}", rows) for part, rows in parts[child])
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         """The parameters and persistent buffers that map to HF keys (tied parameters once).
@@ -187,26 +226,40 @@ class BaseModel(nn.Module, ABC):
 
         The values are therefore independent of initialization order and of how parameters are sharded: a model
         initialized on 1 rank equals the same model initialized under FSDP on N ranks.
+
+        A fused projection's parameter is initialized part by part, each part from its own (unfused) name, so a
+        model with ``fused_projections`` starts from the very weights of the model without.
         """
-        std = self.config.initializer_range
-        base_seed = torch.initial_seed()
         modules = dict(self.named_modules())
         tensors = {**self.checkpoint_tensors(), **self.adapter_tensors()}
         for name in names:
             module_name, _, attr = name.rpartition(".")
             module, tensor = modules[module_name], tensors[name]
-            full = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed((base_seed + zlib.crc32(name.encode())) % 2**63)
-                if hasattr(module, "init_param"):
-                    module.init_param(attr, full, std)
-                elif isinstance(module, RMSNorm):
-                    full.fill_(1.0)
-                elif attr == "bias" or attr.endswith("_bias"):
-                    full.zero_()
-                else:
-                    full.normal_(mean=0.0, std=std)
-            copy_into(tensor, full)
+            parts = self.fused_param_parts(name)
+            if not parts:
+                copy_into(tensor, self._init_tensor(name, module, attr, tensor.shape, tensor.dtype))
+                continue
+            shapes = [(rows, *tensor.shape[1:]) for _, rows in parts]
+            pieces = [self._init_tensor(p, module, attr, s, tensor.dtype) for (p, _), s in zip(parts, shapes)]
+            copy_into(tensor, torch.cat(pieces))
+
+    def _init_tensor(
+        self, name: str, module: nn.Module, attr: str, shape: tuple[int, ...], dtype: torch.dtype
+    ) -> torch.Tensor:
+        """A CPU tensor of ``shape`` initialized for ``module.<attr>`` from the seed of ``name``."""
+        full = torch.empty(shape, dtype=dtype, device="cpu")
+        std = self.config.initializer_range
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed((torch.initial_seed() + zlib.crc32(name.encode())) % 2**63)
+            if hasattr(module, "init_param"):
+                module.init_param(attr, full, std)
+            elif isinstance(module, RMSNorm):
+                full.fill_(1.0)
+            elif attr == "bias" or attr.endswith("_bias"):
+                full.zero_()
+            else:
+                full.normal_(mean=0.0, std=std)
+        return full
 
     # ---- parts ----------------------------------------------------------------------------------------------
     # Transforms and strategies find the model's parts through these typed accessors, never by attribute names:
@@ -298,3 +351,9 @@ class BaseModel(nn.Module, ABC):
 
 
 __all__ = ["BaseModel"]
+
+
+def has_fused_projections(model: nn.Module) -> bool:
+    """Whether a module of ``model`` fuses projections (declares ``fused_parts``; see
+    :meth:`BaseModel.fused_param_parts`)."""
+    return any(getattr(module, "fused_parts", None) for module in model.modules())

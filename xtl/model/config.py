@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from xtl.model.base import BaseModel
 
 # Config fields that are xtl's own: never read from or written to a transformers config by name.
-_XTL_ONLY_FIELDS = {"rope", "attn_impl", "hf_key_mapping"}
+_XTL_ONLY_FIELDS = {"rope", "attn_impl", "hf_key_mapping", "fused_projections"}
 
 
 @dataclass
@@ -31,6 +31,10 @@ class TransformerConfig:
         attn_impl: xtl attention implementation: ``auto``, ``eager``, ``sdpa`` or ``flash``.
         rope: Rotary settings (transformers' ``rope_parameters``).
         hf_key_mapping: Regex remaps applied to HF keys after ``to_hf_key_list`` (e.g. a text tower inside a VLM).
+        fused_projections: One matmul for the q/k/v projections of each attention and for the gate/up projections
+            of each gated MLP (dense layers and shared experts), with weights concatenated at load and split again
+            on save (the HF checkpoint keeps the separate projections). Under ``XTL_HF_IMPL`` each part is still
+            its own matmul, bitwise equal to transformers.
     """
 
     hf_config_class: ClassVar[type[PretrainedConfig]]
@@ -59,6 +63,7 @@ class TransformerConfig:
     rope: RopeConfig = field(default_factory=RopeConfig)
     attn_impl: str = "auto"
     hf_key_mapping: dict[str, str] = field(default_factory=dict)
+    fused_projections: bool = False
 
     def __post_init__(self) -> None:
         if self.num_key_value_heads is None:

@@ -8,7 +8,8 @@ from torch import nn
 from xtl.module.kv_cache import NO_LAYER_KV_CACHE, LayerKVCache
 from xtl.module.norm import RMSNorm
 from xtl.ops.attention import AttentionMaskSpec
-from xtl.ops.rope import apply_rotary_pos_emb
+from xtl.ops.fused_linear import get_fused_projection_fn
+from xtl.ops.rope import get_rope_fn
 from xtl.ops.ulysses import ContextParallelAttention
 
 
@@ -28,6 +29,8 @@ class MultiHeadAttention(ContextParallelAttention, nn.Module):
             apply live).
         sliding_window: Window of this layer, or ``None`` for full attention.
         dropout: Attention dropout in training.
+        fused_qkv: One ``qkv_proj`` of the q, k and v rows (one matmul) instead of ``q_proj``/``k_proj``/``v_proj``;
+            its HF keys are still the three projections' (see :attr:`fused_parts`).
     """
 
     def __init__(
@@ -43,6 +46,7 @@ class MultiHeadAttention(ContextParallelAttention, nn.Module):
         attn_impl: str = "auto",
         sliding_window: int | None = None,
         dropout: float = 0.0,
+        fused_qkv: bool = False,
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
@@ -54,9 +58,15 @@ class MultiHeadAttention(ContextParallelAttention, nn.Module):
         self.attn_impl = attn_impl
         self.sliding_window = sliding_window
         self.dropout = dropout
-        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=bias)
-        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
+        q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        self.fused_parts: dict[str, tuple[tuple[str, int], ...]] = {}
+        if fused_qkv:
+            self.qkv_proj = nn.Linear(hidden_size, q_size + 2 * kv_size, bias=bias)
+            self.fused_parts = {"qkv_proj": (("q_proj", q_size), ("k_proj", kv_size), ("v_proj", kv_size))}
+        else:
+            self.q_proj = nn.Linear(hidden_size, q_size, bias=bias)
+            self.k_proj = nn.Linear(hidden_size, kv_size, bias=bias)
+            self.v_proj = nn.Linear(hidden_size, kv_size, bias=bias)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=o_bias)
         self.q_norm = RMSNorm(head_dim, rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, rms_norm_eps) if qk_norm else None
@@ -74,17 +84,24 @@ class MultiHeadAttention(ContextParallelAttention, nn.Module):
         """
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
-        q = self.q_proj(hidden_states).view(hidden_shape)
-        k = self.k_proj(hidden_states).view(hidden_shape)
+        q, k, v = (t.view(hidden_shape) for t in self.project_qkv(hidden_states))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = q.transpose(1, 2), k.transpose(1, 2)
-        v = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         cos, sin = position_embeddings
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        q, k = get_rope_fn(q.device)(q, k, cos, sin)
         k, v = kv_cache.update(k, v)
         out = self.attend(q, k, v, mask.with_window(self.sliding_window))
         return self.o_proj(out.reshape(*input_shape, -1).contiguous())
+
+    def project_qkv(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries, keys and values ``(B, T, heads * head_dim)`` of ``hidden_states``: three projections, or the
+        fused one through :func:`xtl.ops.fused_linear.get_fused_projection_fn`."""
+        if not self.fused_parts:
+            return self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
+        sizes = [size for _, size in self.fused_parts["qkv_proj"]]
+        q, k, v = get_fused_projection_fn()(hidden_states, self.qkv_proj, sizes)
+        return q, k, v
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMaskSpec) -> torch.Tensor:
         """The attention core on rotated ``q``/``k`` and ``v``, through the selected implementation."""

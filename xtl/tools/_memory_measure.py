@@ -459,7 +459,14 @@ def _install_fused_ops(model: torch.nn.Module) -> None:
             eps = module.variance_epsilon if hasattr(module, "variance_epsilon") else module.eps  # HF / xtl
             module.forward = lambda x, m=module, e=eps: _RMSNormFn.apply(x, m.weight, e)
         elif name.endswith("MLP"):
-            module.forward = lambda x, m=module: m.down_proj(_SwiGLUFn.apply(m.gate_proj(x), m.up_proj(x)))
+            module.forward = lambda x, m=module: m.down_proj(_SwiGLUFn.apply(*_gate_up(m, x)))
+
+
+def _gate_up(mlp: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gate and up projections of an xtl (maybe fused) or HF MLP."""
+    if hasattr(mlp, "project_gate_up"):
+        return mlp.project_gate_up(x)
+    return mlp.gate_proj(x), mlp.up_proj(x)
 
 
 class CreatedStorages(TorchDispatchMode):

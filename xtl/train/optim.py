@@ -34,6 +34,7 @@ from torch import nn
 
 from xtl.errors import ConfigError, did_you_mean
 from xtl.model import BaseModel
+from xtl.model.base import has_fused_projections
 from xtl.module.experts import GroupedExperts
 from xtl.train.muon import NS_COEFFICIENTS, NS_EPS, NS_STEPS, AdjustLR, Muon
 
@@ -208,6 +209,11 @@ class MuonConfig(OptimizerConfig):
         Raises:
             ConfigError: A pattern of ``muon_params`` / ``adamw_params`` cannot be applied (see the class).
         """
+        if has_fused_projections(model):
+            raise ConfigError(
+                "optimizer: Muon orthogonalizes each projection matrix on its own, and fused_projections joins "
+                "q/k/v and gate/up into one; set model.init_args.model_overrides.fused_projections: false"
+            )
         trainable = {name: param for name, param in model.named_parameters() if param.requires_grad}
         hidden = _hidden_matrices(model)
         forced: dict[str, dict[str, str]] = {}

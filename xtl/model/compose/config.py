@@ -101,6 +101,7 @@ class Qwen3VLConfig:
         text_tie_word_embeddings: ``text_config.tie_word_embeddings`` as transformers stores it (kept for the round
             trip; the top-level ``tie_word_embeddings`` decides tying).
         hf_key_mapping: Regex remaps applied to HF keys after ``to_hf_key_list``.
+        fused_projections: The language model's ``fused_projections`` (set on either, it applies to both).
     """
 
     hf_config_class: ClassVar[type[PretrainedConfig]] = HFQwen3VLConfig
@@ -117,6 +118,7 @@ class Qwen3VLConfig:
     text_tie_word_embeddings: bool | None = None
     dtype: str | None = None
     hf_key_mapping: dict[str, str] = field(default_factory=dict)
+    fused_projections: bool = False
 
     def __post_init__(self) -> None:
         if self.text_config is None:
@@ -126,6 +128,9 @@ class Qwen3VLConfig:
         if isinstance(self.vision_config, dict):
             self.vision_config = Qwen3VLVisionConfig(**self.vision_config)
         self.text_config.tie_word_embeddings = self.tie_word_embeddings
+        self.fused_projections = self.text_config.fused_projections = (
+            self.fused_projections or self.text_config.fused_projections
+        )
 
     vision_language: ClassVar[bool] = True
 

@@ -87,8 +87,21 @@ class Dense(BaseModel):
     def build_layer(self, layer_idx: int) -> DecoderLayer:
         """Build decoder layer ``layer_idx`` from the config's attention and MLP settings."""
         cfg = self.config
-        mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, bias=cfg.mlp_bias)
-        return DecoderLayer(self.build_attention(layer_idx), mlp, cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_class)
+        return DecoderLayer(
+            self.build_attention(layer_idx), self.build_mlp(), cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_class
+        )
+
+    def build_mlp(self, intermediate_size: int | None = None, bias: bool | None = None) -> GatedMLP:
+        """A gated MLP of the config's activation (``intermediate_size`` / ``bias``: the config's by default),
+        fused per ``fused_projections``."""
+        cfg = self.config
+        return GatedMLP(
+            cfg.hidden_size,
+            cfg.intermediate_size if intermediate_size is None else intermediate_size,
+            cfg.hidden_act,
+            bias=cfg.mlp_bias if bias is None else bias,
+            fused_gate_up=cfg.fused_projections,
+        )
 
     def build_attention(self, layer_idx: int) -> MultiHeadAttention:
         """The attention of layer ``layer_idx`` (``attention_class`` built from the config)."""
@@ -105,6 +118,7 @@ class Dense(BaseModel):
             attn_impl=cfg.attn_impl,
             sliding_window=cfg.layer_sliding_window(layer_idx),
             dropout=cfg.attention_dropout,
+            fused_qkv=cfg.fused_projections,
         )
 
     def forward(

@@ -11,7 +11,6 @@ from xtl.batch import SequenceContext
 from xtl.model.dense.dense import Dense
 from xtl.module.decoder_layer import DecoderLayer
 from xtl.module.kv_cache import NO_KV_CACHE, KVCache
-from xtl.module.mlp import GatedMLP
 from xtl.module.moe_block import MoEBlock, MoEDecoderLayer
 from xtl.ops.attention import AttentionMaskSpec
 from xtl.ops.moe_loss import router_statistics
@@ -54,11 +53,10 @@ class MoE(Dense):
         if cfg.is_moe_layer(layer_idx):
             shared = None
             if cfg.shared_experts_intermediate_size:
-                shared = GatedMLP(cfg.hidden_size, cfg.shared_experts_intermediate_size, cfg.hidden_act)
+                shared = self.build_mlp(cfg.shared_experts_intermediate_size, bias=False)
             block = MoEBlock(cfg.build_router(), cfg.build_experts(), shared)
             return MoEDecoderLayer(attn, block, cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_class)
-        mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, bias=cfg.mlp_bias)
-        return DecoderLayer(attn, mlp, cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_class)
+        return DecoderLayer(attn, self.build_mlp(), cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_class)
 
     def run_layers(
         self,
