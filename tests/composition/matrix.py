@@ -137,6 +137,7 @@ class Feature:
             training objective, held to its own first-step value (the policy is its reference: DPO ``log 2``,
             KTO 0.5).
         what: Description for the docs.
+        strategies: The strategies whose cells run it (``None``: every one); the others show "not run".
     """
 
     name: str
@@ -144,6 +145,7 @@ class Feature:
     inline: str
     claim: str
     what: str
+    strategies: tuple[str, ...] | None = None
 
 
 CLOSE_RTOL = 0.05
@@ -226,7 +228,9 @@ FEATURES = (
         "model:\n  init_args:\n    model_overrides: {fused_projections: true}\n",
         "close",
         "fused projections: one q/k/v and one gate/up matmul (`model_overrides: {fused_projections: true}`; MLA "
-        "fuses its gated MLPs only, GPT-OSS its attention only)",
+        "fuses its gated MLPs only, GPT-OSS its attention only); not run under CP and EP, which change the "
+        "attention core and the experts, not the projections",
+        ("single", "fsdp"),
     ),
     Feature(
         "mtp",
@@ -393,6 +397,7 @@ def cells(strategy: str | None = None) -> list[Cell]:
         for family in FAMILIES
         if family.moe or not s.moe_only
         for feature in FEATURES
+        if feature.strategies is None or s.name in feature.strategies
     ]
 
 
@@ -410,7 +415,9 @@ def render_markdown() -> str:
             marks = []
             for feature in FEATURES[1:]:
                 refusal = Cell(family, feature, strategy).refusal
-                if refusal is None:
+                if feature.strategies is not None and strategy.name not in feature.strategies:
+                    marks.append("not run")
+                elif refusal is None:
                     marks.append("trains")
                 else:
                     number = notes.setdefault(refusal, len(notes) + 1)
