@@ -21,7 +21,7 @@ LAYERS = (
     ("model", "data"),
     ("strategies",),
     ("train", "rl"),
-    ("callbacks", "loggers"),
+    ("callbacks",),
     ("cli_parser", "moved_settings", "run_layout"),
     ("cli",),
     ("tools",),

@@ -12,9 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-import xtl.module.decoder_layer as decoder_layer_module
 from xtl.module.decoder_layer import DecoderLayer
-from xtl.module.fp32_norm import Fp32ScaleRMSNorm
 from xtl.module.norm import RMSNorm
 from xtl.ops import get_add_rms_norm_fn
 from xtl.ops.rms_norm import add_rms_norm_fused, add_rms_norm_torch, add_rms_norm_triton, rms_norm_hf
@@ -124,36 +122,6 @@ class TestTritonAddRMSNorm:
         root = Path(__file__).resolve().parents[2]
         result = subprocess.run([sys.executable, "-c", script], cwd=root, env=env, capture_output=True, text=True)
         assert result.returncode == 0, result.stderr[-3000:]
-
-
-class TestDecoderLayerFusedNorm:
-    def test_plain_rms_norm_goes_through_the_selector_bitwise(self, monkeypatch):
-        calls = []
-
-        def spy(device: torch.device):
-            calls.append(device)
-            return add_rms_norm_torch
-
-        monkeypatch.setattr(decoder_layer_module, "get_add_rms_norm_fn", spy)
-        layer, hidden = _layer(RMSNorm)
-        out = layer(hidden, (None, None), None)
-        (grad,) = torch.autograd.grad(out.sum(), hidden)
-        assert calls == [hidden.device]
-        ref_out, ref_grad = _unfused_layer(layer, hidden)
-        assert torch.equal(out, ref_out) and torch.equal(grad, ref_grad)
-
-    @pytest.mark.parametrize("hooked", [False, True], ids=["fp32_scale_norm", "hooked_norm"])
-    def test_other_norms_and_hooked_norms_are_called_as_modules(self, monkeypatch, hooked):
-        monkeypatch.setattr(decoder_layer_module, "get_add_rms_norm_fn", lambda device: pytest.fail("fused op used"))
-        layer, hidden = _layer(RMSNorm if hooked else Fp32ScaleRMSNorm)
-        seen = []
-        if hooked:
-            layer.post_attention_layernorm.register_forward_hook(lambda m, a, o: seen.append(o))
-        out = layer(hidden, (None, None), None)
-        (grad,) = torch.autograd.grad(out.sum(), hidden)
-        assert len(seen) == int(hooked)
-        ref_out, ref_grad = _unfused_layer(layer, hidden)
-        assert torch.equal(out, ref_out) and torch.equal(grad, ref_grad)
 
 
 @pytest.mark.gpu

@@ -65,7 +65,7 @@ def _fit(module, steps, root, callbacks=(), ckpt_path=None, every=None, datamodu
     trainer = pl.Trainer(
         accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, enable_checkpointing=bool(every), default_root_dir=root,
-        callbacks=callbacks, plugins=[AtomicCheckpointIO()], limit_val_batches=0, log_every_n_steps=1,
+        callbacks=callbacks, plugins=[AtomicCheckpointIO()], limit_val_batches=0,
     )  # fmt: skip
     pl.seed_everything(0)
     trainer.fit(module, datamodule=datamodule or _datamodule(), ckpt_path=ckpt_path)

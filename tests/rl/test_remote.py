@@ -93,8 +93,7 @@ class TestGRPOOnRay:
             sampling=SamplingSettings(group_size=4, max_new_tokens=4), prompts_per_step=2,
         )  # fmt: skip
         trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_progress_bar=False,
-                             enable_checkpointing=False, default_root_dir=tmp_path, limit_val_batches=0,
-                             log_every_n_steps=1)  # fmt: skip
+                             enable_checkpointing=False, default_root_dir=tmp_path, limit_val_batches=0)  # fmt: skip
         trainer.fit(module, datamodule=_datamodule())
         assert type(module.engine).__name__ == "RayRolloutEngine"
         assert trainer.callback_metrics["rollout/samples"].item() == 8

@@ -51,7 +51,6 @@ def make_trainer(tmp_path: Path):
 
     def make(max_steps: int, callbacks: list | None = None, **kwargs) -> pl.Trainer:
         kwargs.setdefault("accelerator", "cpu")
-        kwargs.setdefault("log_every_n_steps", 1)  # every step's metrics in callback_metrics
         return pl.Trainer(
             devices=1,
             max_steps=max_steps,

@@ -121,29 +121,6 @@ class TestNoHostSync:
         assert reads[1] and reads[3], "logged steps read the loss and the skip counter (proves the mode records)"
         assert module.tokens_seen > 0 and module.skipped_steps == 0
 
-    def test_steps_that_are_not_logged_make_no_logging_call_and_still_count_tokens(
-        self, make_datamodule, make_trainer
-    ):
-        calls: dict[int, int] = {}
-        tokens: list[int] = []
-
-        class Recorded(LanguageModule):
-            def training_step(self, batch, batch_idx):
-                self._batch = batch_idx
-                tokens.append(sum(mb.num_real_tokens for mb in batch))
-                return super().training_step(batch, batch_idx)
-
-            def log(self, *args, **kwargs):
-                calls[self._batch] = calls.get(self._batch, 0) + 1
-                return super().log(*args, **kwargs)
-
-        module = Recorded(model=TINY_MODEL, optimizer=AdamWConfig(lr=1e-2))
-        trainer = make_trainer(6, log_every_n_steps=3)
-        trainer.fit(module, datamodule=make_datamodule())
-        assert set(calls) == {2, 5}, f"logging calls by batch: {calls}"
-        assert module.tokens_seen == sum(tokens)  # every step's tokens, logged or not
-        assert trainer.logged_metrics["train/tokens_seen"].item() == sum(tokens)
-
     @pytest.mark.gpu
     @pytest.mark.skipif(not torch.cuda.is_available(), reason="device syncs are a CUDA notion")
     def test_no_cuda_sync_on_steps_that_are_not_logged(self, make_datamodule, make_trainer):
@@ -199,7 +176,6 @@ class TestExactResume:
             enable_model_summary=False,
             num_sanity_val_steps=0,
             enable_checkpointing=bool(every),
-            log_every_n_steps=1,
             default_root_dir=tmp_path,
             callbacks=callbacks,
             plugins=[AtomicCheckpointIO()],
@@ -239,7 +215,7 @@ class TestRoutedExperts:
             optimizer=AdamWConfig(lr=1e-2),
             routing=RouterTraining(balance_loss_coef=0.01, z_loss_coef=0.001),
         )
-        trainer = make_trainer(3, log_every_n_steps=1)
+        trainer = make_trainer(3)
         trainer.fit(module, datamodule=make_datamodule())
         metrics = trainer.callback_metrics
         assert metrics["train/balance_loss"].item() > 0

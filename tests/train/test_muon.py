@@ -252,7 +252,7 @@ class TestExactResume:
         trainer = pl.Trainer(
             accelerator="cpu", devices=1, max_steps=max_steps, logger=False, enable_progress_bar=False,
             enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=root, callbacks=callbacks,
-            plugins=[AtomicCheckpointIO()], log_every_n_steps=1,
+            plugins=[AtomicCheckpointIO()],
         )  # fmt: skip
         pl.seed_everything(0)
         module = LanguageModule(

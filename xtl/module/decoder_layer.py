@@ -8,15 +8,10 @@ from torch import nn
 from xtl.module.kv_cache import NO_LAYER_KV_CACHE, LayerKVCache
 from xtl.module.norm import RMSNorm
 from xtl.ops.attention import AttentionMaskSpec
-from xtl.ops.rms_norm import get_add_rms_norm_fn
 
 
 class DecoderLayer(nn.Module):
     """``x + attn(norm(x))`` then ``x + mlp(norm(x))``.
-
-    The residual add after attention and the post-attention norm go through :func:`xtl.ops.get_add_rms_norm_fn`
-    (one fused kernel on CUDA; the same unfused ops elsewhere) when that norm is a plain :class:`RMSNorm` called
-    without hooks; other norm classes, and hooked norms, are called as modules.
 
     Args:
         self_attn: Attention module called as ``self_attn(h, position_embeddings, mask, kv_cache)``.
@@ -50,15 +45,7 @@ class DecoderLayer(nn.Module):
         """Run the layer on ``(B, T, C)`` hidden states (``kv_cache``: this layer's cache, when decoding)."""
         residual = hidden_states
         hidden_states = self.self_attn(self.input_layernorm(hidden_states), position_embeddings, mask, kv_cache)
-        hidden_states, residual = self._add_and_post_attention_norm(hidden_states, residual)
-        return residual + self.mlp(hidden_states)
-
-    def _add_and_post_attention_norm(
-        self, hidden_states: torch.Tensor, residual: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(post_attention_layernorm(residual + hidden_states), residual + hidden_states)``."""
-        norm = self.post_attention_layernorm
-        if type(norm) is RMSNorm and not (norm._forward_hooks or norm._forward_pre_hooks):
-            return get_add_rms_norm_fn(hidden_states.device)(hidden_states, residual, norm.weight, norm.eps)
-        summed = residual + hidden_states
-        return norm(summed), summed
+        hidden_states = residual + hidden_states
+        residual = hidden_states
+        hidden_states = self.mlp(self.post_attention_layernorm(hidden_states))
+        return residual + hidden_states

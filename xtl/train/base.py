@@ -302,10 +302,7 @@ class LanguageModule(pl.LightningModule):
         return result
 
     def log_step_metrics(self, values: dict[str, torch.Tensor]) -> None:
-        """Log an objective's step metrics (``train/...`` keys) with the family's (router statistics), on the steps
-        the loggers write."""
-        if not self._logs_this_step():
-            return
+        """Log an objective's step metrics (``train/...`` keys) with the family's (router statistics)."""
         values = {**values, **{f"train/{k}": v for b in self.family_training for k, v in b.step_metrics().items()}}
         if values:
             self.log_dict(values, on_step=True, on_epoch=False, batch_size=1)
@@ -474,10 +471,6 @@ class LanguageModule(pl.LightningModule):
         a sequence each hold a share of its tokens)."""
         return self.parallelizer.layout.world_size
 
-    def _logs_this_step(self) -> bool:
-        """Whether the loggers write this training step (always outside a trainer)."""
-        return self._trainer is None or is_logged_step(self._trainer)
-
     def _sum_over_data_ranks(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` summed in place over the ranks of the data group (unchanged on one rank)."""
         group = self.parallelizer.data_group()
@@ -502,19 +495,12 @@ class LanguageModule(pl.LightningModule):
             return 1
 
     def _log_step(self, batch: list[Any], result: StepResult, grad_norm: torch.Tensor) -> None:
-        """Log the step on the steps the loggers write (``log_every_n_steps``); other steps only count tokens.
+        """Log the step from device tensors; values are read on the host only on steps the loggers write.
 
-        ``train/tokens_per_sec`` is the non-padding tokens of all data-parallel ranks over the wall time since the
-        previous logged step; the other values are this step's.
+        ``train/tokens_per_sec`` (logged steps only) is the non-padding tokens of all data-parallel ranks over the
+        wall time since the previous logged step.
         """
         real = sum(mb.num_real_tokens for mb in batch)
-        if not self._logs_this_step():  # count the tokens, nothing else: no logging machinery, no host reads
-            tokens: int | torch.Tensor = real
-            if self.parallelizer.data_group() is not None:
-                tokens = self._sum_over_data_ranks(torch.tensor(float(real), dtype=torch.float64, device=self.device))
-            self._tokens_seen = self._tokens_seen.to(self.device) + tokens
-            self._window.add(tokens)
-            return
         host = torch.tensor([real, sum(mb.seq_ctx.seq_len for mb in batch)], dtype=torch.float64)
         stats = torch.cat([result.loss_sum.detach().double().reshape(1), host.to(self.device, non_blocking=True)])
         stats = self._sum_over_data_ranks(stats)
@@ -531,7 +517,7 @@ class LanguageModule(pl.LightningModule):
         }
         self.log_dict(values, on_step=True, on_epoch=False, sync_dist=False, batch_size=1)
         self.log("loss", values["train/loss"], prog_bar=True, logger=False, batch_size=1)
-        if self._trainer is not None:
+        if self._trainer is not None and is_logged_step(self.trainer):
             tokens, seconds, _ = self._window.close(self.device)
             rate = tokens / seconds
             self.log("train/tokens_per_sec", rate, on_step=True, on_epoch=False, batch_size=1)
