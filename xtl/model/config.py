@@ -33,7 +33,7 @@ class TransformerConfig:
         hf_key_mapping: Regex remaps applied to HF keys after ``to_hf_key_list`` (e.g. a text tower inside a VLM).
         fused_projections: One matmul for the q/k/v projections of each attention and for the gate/up projections
             of each gated MLP (dense layers and shared experts), with weights concatenated at load and split again
-            on save (the HF checkpoint keeps the separate projections). Under ``XTL_HF_IMPL`` each part is still
+            on save (the HF checkpoint keeps the separate projections). Under the HF-parity switch each part is still
             its own matmul, bitwise equal to transformers.
     """
 
