@@ -110,14 +110,11 @@ def _start(work: Path, cache: Path, strategy: str) -> subprocess.Popen:
     )
 
 
-def _newest_write(folder: Path) -> float:
-    """The latest modification time in ``folder`` (0 when empty or missing); an entry renamed or removed while it is
-    read (a save's temporary file) is skipped."""
-    newest = 0.0
-    for path in folder.iterdir() if folder.is_dir() else ():
-        with contextlib.suppress(FileNotFoundError):
-            newest = max(newest, path.stat().st_mtime)
-    return newest
+def _logged_steps(work: Path) -> int:
+    """How many loss rows the runs in ``work`` have logged so far (a row being written is not counted)."""
+    with contextlib.suppress(FileNotFoundError, ValueError, csv.Error):
+        return sum(len(run) for run in _losses_per_run(work))
+    return 0
 
 
 def _setup(work: Path) -> None:
@@ -151,17 +148,18 @@ class TestKillAndResume:
         self, strategy, kills, tmp_path, data_cache, uninterrupted
     ):
         """Checkpoints every step (a kill lands in a save as often as in a step); each kill comes a random time
-        after a step finished; the run then resumes from ``last`` until it reaches the end."""
+        after a run logged its first step (so its checkpoint is complete); the run then resumes from ``last`` until
+        it reaches the end."""
         broken = tmp_path / "broken"
         _setup(broken)
         want = uninterrupted(strategy)
 
         rng = random.Random(0)
-        checkpoints = broken / "runs/tiny_sft/checkpoints"
         for _ in range(kills):
-            started = time.time()
+            logged = _logged_steps(broken)
             proc = _start(broken, data_cache, strategy)
-            while proc.poll() is None and _newest_write(checkpoints) <= started:
+            # a step's row is written after its checkpoint: each run leaves one to resume from, however slow saves are
+            while proc.poll() is None and _logged_steps(broken) <= logged:
                 time.sleep(0.01)
             time.sleep(rng.uniform(0.0, 0.3))
             assert proc.poll() is None, "the run ended before the kill"
