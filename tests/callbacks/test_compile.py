@@ -1,5 +1,6 @@
 """Tests for ``Compile``: options, layers compiled in place (names kept), exact numerics with ``aot_eager``,
-``train/recompiles`` (logged, 0 after the first step with fixed-length packs), and inductor within 1e-4."""
+``train/recompiles`` (logged, 0 after the first step with fixed-length packs; new documents or supervised-row counts
+compile nothing), the whole-forward scope, and inductor within 1e-4."""
 
 from __future__ import annotations
 
@@ -11,9 +12,14 @@ import torch
 
 from tests.callbacks.helpers import DENSE, MOE, build, count_calls, step
 from tests.cli.test_cli import ROOT
+from tests.model.vlm import build_tiny_vlm
+from xtl.batch import SequenceContext
 from xtl.callbacks import ActivationCheckpointing, ActivationOffload, Compile
 from xtl.callbacks import compile as compile_module
 from xtl.data import XTLDataModule
+from xtl.errors import ConfigError
+from xtl.model import get_model_config_from_hf
+from xtl.ops import IGNORE_INDEX
 
 FRAGMENT = ROOT / "callbacks/compile.yaml"
 
@@ -38,6 +44,22 @@ class TestOptions:
     def test_unknown_mode_names_the_key(self):
         with pytest.raises(ValueError, match="mode"):
             Compile(mode="turbo")
+
+    def test_unknown_scope_names_the_key(self):
+        with pytest.raises(ValueError, match="scope"):
+            Compile(scope="step")
+
+    def test_the_whole_forward_compiles_on_one_device_and_text_models_only(self, tmp_path):
+        with pytest.raises(ConfigError, match="one device.*scope: layers"):
+            Compile(scope="model").setup(SimpleNamespace(world_size=2), None, "fit")
+        build_tiny_vlm("qwen3_vl").config.save_pretrained(tmp_path)
+        with torch.device("meta"):
+            vlm = get_model_config_from_hf(tmp_path).build()
+        with pytest.raises(ConfigError, match="mask eagerly.*fullgraph: false"):
+            build(DENSE, [Compile(backend="eager", scope="model", compile_attention=True, fullgraph=True)])
+        with pytest.raises(ConfigError, match="text models.*scope: layers"):
+            Compile(backend="eager", scope="model").transform_model(vlm)
+        Compile(backend="eager").transform_model(vlm)  # per layer: fine
 
     def test_fullgraph_needs_the_eager_parts_compiled(self):
         with pytest.raises(ValueError, match="fullgraph.*compile_attention"):
@@ -81,6 +103,35 @@ class TestCompiledLayers:
         assert torch.equal(loss, base_loss)
         for name, g in base_grads.items():
             torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-7, msg=name)  # last bits (graph breaks)
+
+
+class TestWholeForward:
+    @pytest.mark.parametrize("spec", [DENSE, MOE], ids=["dense", "moe"])
+    def test_aot_eager_equals_eager_and_compiles_once_for_any_packing(self, spec):
+        """New document bounds and new supervised-row counts compile nothing: the mask is built outside the
+        compiled frame and the row dimension is dynamic from the first call."""
+        base, model = build(spec), build(spec, [Compile(backend="aot_eager", scope="model")])
+        assert model.forward is not type(model).forward and model.layers[0]._compiled_call_impl is None
+        frames = []
+        for lengths, supervised in [((30, 20, 14), 40), ((10, 54), 25), ((64,), 61), ((8, 8, 8, 40), 33)]:
+            seq_ctx, labels = _packed(lengths, supervised)
+            want = base(seq_ctx=seq_ctx, labels=labels, return_logits=False).loss
+            got = model(seq_ctx=seq_ctx, labels=labels, return_logits=False).loss
+            assert torch.equal(got, want)
+            got.backward()
+            frames.append(compile_module.compiled_frames())
+        assert frames[0] > 0 and frames[1:] == [frames[0]] * 3, frames
+
+    def test_the_compiled_head_loss_compiles_once_for_any_row_count(self):
+        """Catches a chunk loop over the row count (Dynamo specializes on it: one compile per count, until the
+        cache limit sends the head back to eager)."""
+        model = build(DENSE, [Compile(backend="eager")])
+        frames = []
+        for supervised in (40, 25, 61, 33):
+            seq_ctx, labels = _packed((30, 20, 14), supervised)
+            model(seq_ctx=seq_ctx, labels=labels, return_logits=False).loss.backward()
+            frames.append(compile_module.compiled_frames())
+        assert frames[1:] == [frames[0]] * 3, frames
 
 
 class TestRecompiles:
@@ -129,3 +180,15 @@ class TestTinyRuns:
         for got, want in zip(run.column("train/loss"), base.column("train/loss")):
             assert math.isclose(float(got), float(want), rel_tol=1e-4)
         assert run.column("train/recompiles") == ["0.0"] * 3
+
+
+def _packed(lengths: tuple[int, ...], supervised: int) -> tuple[SequenceContext, torch.Tensor]:
+    """A pack of ``lengths`` whose first ``supervised`` positions carry a label (``loss_positions`` set, as the
+    collate sets it)."""
+    generator = torch.Generator().manual_seed(sum(lengths) + supervised)
+    ids = torch.randint(0, DENSE["vocab_size"], (1, sum(lengths)), generator=generator)
+    labels = torch.randint(0, DENSE["vocab_size"], (1, sum(lengths)), generator=generator)
+    labels[:, supervised:] = IGNORE_INDEX
+    seq_ctx = SequenceContext.from_lengths(ids, lengths)
+    seq_ctx.loss_positions = torch.arange(supervised)
+    return seq_ctx, labels

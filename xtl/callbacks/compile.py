@@ -1,7 +1,9 @@
-"""Compile: ``torch.compile`` each decoder layer (and the model's head loss) in place."""
+"""Compile: ``torch.compile`` each decoder layer (and the model's head loss), or the whole forward, in place."""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -9,11 +11,14 @@ import torch
 from torch import nn
 
 from xtl.callbacks._run import run_datamodule
+from xtl.errors import ConfigError
 from xtl.model import BaseModel
 from xtl.strategies.parallelize import ModelTransform, TransformStage
 
 CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
 MODES: tuple[str, ...] = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+CompileScope = Literal["layers", "model"]
+SCOPES: tuple[str, ...] = ("layers", "model")
 
 
 class Compile(pl.Callback, ModelTransform):
@@ -31,6 +36,16 @@ class Compile(pl.Callback, ModelTransform):
       document with SDPA) -- ``compile_attention: true`` compiles it (fixed document structure only);
     - the MoE block (``mlp`` of MoE layers): the experts' row counts are data-dependent (a host sync and a loop
       per expert) -- ``compile_moe_block: true`` compiles it.
+
+    ``scope: model`` compiles the language model's whole training forward instead: embeddings, rotary tables, the
+    layers, final norm, supervised-row selection and head + loss. The packed attention mask is built eagerly (a
+    graph break; its document bounds would be guarded on), and where the layer loop meets an eager part Dynamo
+    cannot resume inside the loop, so each layer call becomes its own frame: cross-layer fusion needs
+    ``compile_attention: true``. One device only (FSDP and expert parallelism compile per layer), text models only
+    (a vision-language model's image merge follows the data), and not with ``fullgraph`` (the mask's graph break).
+
+    The LM head and loss run on the supervised rows only, whose number changes with every pack: that dimension is
+    marked dynamic before the first call, so new row counts never compile again.
 
     Compiled code is specialized to the pack length: packs must have a fixed length (``data.pad_to_max_length:
     true``, the default) unless ``dynamic: true``. ``train/recompiles`` counts the frames Dynamo compiled after
@@ -50,6 +65,7 @@ class Compile(pl.Callback, ModelTransform):
         compile_loss: Also compile the language model's ``head_loss`` (the fused LM head + cross-entropy).
         compile_attention: Compile the attention block too (see above).
         compile_moe_block: Compile the MoE block of MoE layers too (see above).
+        scope: ``layers`` (each decoder layer, and ``head_loss``) or ``model`` (the whole forward, see above).
     """
 
     transform_stage = TransformStage.COMPILE
@@ -63,12 +79,15 @@ class Compile(pl.Callback, ModelTransform):
         compile_loss: bool = True,
         compile_attention: bool = False,
         compile_moe_block: bool = False,
+        scope: CompileScope = "layers",
     ) -> None:
         backends = torch._dynamo.list_backends(exclude_tags=())
         if backend not in backends:
             raise ValueError(f"compile backend must be one of {backends}; got {backend!r}")
         if mode is not None and mode not in MODES:
             raise ValueError(f"compile mode must be one of {MODES} or null; got {mode!r}")
+        if scope not in SCOPES:
+            raise ValueError(f"compile scope must be one of {SCOPES}; got {scope!r}")
         self.backend = backend
         self.mode = mode
         self.fullgraph = fullgraph
@@ -76,6 +95,7 @@ class Compile(pl.Callback, ModelTransform):
         self.compile_loss = compile_loss
         self.compile_attention = compile_attention
         self.compile_moe_block = compile_moe_block
+        self.scope = scope
         self._frames_after_first_step: int | None = None
 
     @property
@@ -91,7 +111,13 @@ class Compile(pl.Callback, ModelTransform):
 
         Raises:
             ValueError: When the datamodule does not pad packs to ``pack_max_length`` and ``dynamic`` is not true.
+            ConfigError: ``scope: model`` on more than one device.
         """
+        if self.scope == "model" and trainer.world_size > 1:
+            raise ConfigError(
+                f"Compile scope: model compiles the whole forward on one device; on {trainer.world_size} devices "
+                "(FSDP, expert parallelism) set scope: layers"
+            )
         datamodule = run_datamodule(trainer)
         if self.dynamic is not True and datamodule is not None and not datamodule.pad_to_max_length:
             raise ValueError(
@@ -106,20 +132,33 @@ class Compile(pl.Callback, ModelTransform):
         return parts + ([] if self.compile_moe_block else model.moe_blocks())
 
     def transform_model(self, model: BaseModel) -> BaseModel:
-        """Compile each decoder layer (and ``head_loss``) in place; names and structure stay unchanged."""
+        """Compile each decoder layer (and ``head_loss``), or the whole language model forward, in place; names
+        and structure stay unchanged (compiled functions are instance attributes)."""
         eager = self.eager_parts(model)
         if eager and self.fullgraph:
             raise ValueError(
                 "compile fullgraph: true needs compile_attention: true (and compile_moe_block: true for MoE "
                 "models): the parts run eagerly are graph breaks"
             )
+        if self.scope == "model" and self.fullgraph:
+            raise ConfigError(
+                "Compile scope: model builds the packed attention mask eagerly (a graph break): set fullgraph: false"
+            )
+        if self.scope == "model" and model.vision_blocks() is not None:
+            raise ConfigError(
+                "Compile scope: model compiles text models; a vision-language model's image merge follows the data: "
+                "set scope: layers"
+            )
         for part in eager:
-            part.forward = torch.compiler.disable(part.forward, recursive=True)  # an attribute: names unchanged
+            part.forward = torch.compiler.disable(part.forward, recursive=True)
+        text = model.text_model()
+        if self.scope == "model":
+            text.forward = _rows_dynamic(torch.compile(text.forward, **self.options), "seq_ctx")
+            return model
         for layer in model.decoder_layers():
             layer.compile(**self.options)
         if self.compile_loss:
-            text = model.text_model()
-            text.head_loss = torch.compile(text.head_loss, **self.options)  # an attribute: names unchanged
+            text.head_loss = _rows_dynamic(torch.compile(text.head_loss, **self.options), "hidden")
         return model
 
     def on_train_batch_end(
@@ -136,3 +175,23 @@ class Compile(pl.Callback, ModelTransform):
 def compiled_frames() -> int:
     """How many frames Dynamo has compiled in this process (every first compile and every recompile)."""
     return int(torch._dynamo.utils.counters["frames"]["total"])
+
+
+def _rows_dynamic(compiled: Callable[..., Any], argument: str) -> Callable[..., Any]:
+    """``compiled`` with the supervised-row dimension of its input marked dynamic before each call: ``hidden``
+    ``(..., N, C)`` and ``targets`` ``(..., N)`` of ``head_loss`` (positional), or ``seq_ctx.loss_positions``
+    ``(N,)`` of a forward. Dynamo then compiles once for every row count instead of once per count (or once more on
+    the second count, which automatic dynamic shapes would do)."""
+
+    @functools.wraps(compiled)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if argument == "hidden":
+            hidden, targets = args[0], args[1]
+            torch._dynamo.maybe_mark_dynamic(hidden, hidden.dim() - 2)
+            if targets is not None:
+                torch._dynamo.maybe_mark_dynamic(targets, targets.dim() - 1)
+        elif (seq_ctx := kwargs.get(argument)) is not None and seq_ctx.loss_positions is not None:
+            torch._dynamo.maybe_mark_dynamic(seq_ctx.loss_positions, 0)
+        return compiled(*args, **kwargs)
+
+    return call

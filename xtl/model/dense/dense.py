@@ -158,11 +158,7 @@ class Dense(BaseModel):
             if input_ids is not None or inputs_embeds is not None or attention_mask is not None:
                 raise ValueError("pass either seq_ctx or input_ids/inputs_embeds/attention_mask, not both")
             input_ids, inputs_embeds, position_ids = seq_ctx.input_ids, seq_ctx.inputs_embeds, seq_ctx.position_ids
-            mask = AttentionMaskSpec(
-                cu_seq_lens=seq_ctx.cu_seq_lens,
-                max_seq_len=seq_ctx.max_seq_len,
-                doc_bounds=list(seq_ctx.doc_bounds) if seq_ctx.doc_bounds is not None else None,
-            )
+            mask = _packed_mask(seq_ctx)
             targets = labels
         else:
             mask = AttentionMaskSpec(padding_mask=attention_mask)
@@ -275,3 +271,13 @@ class Dense(BaseModel):
         for i, layer in enumerate(self.layers):
             hidden = layer(hidden, position_embeddings, mask, kv_cache.layer(i))
         return hidden, {}
+
+
+@torch.compiler.disable
+def _packed_mask(seq_ctx: SequenceContext) -> AttentionMaskSpec:
+    """The attention mask of a packed batch: built eagerly, outside compiled code."""
+    return AttentionMaskSpec(
+        cu_seq_lens=seq_ctx.cu_seq_lens,
+        max_seq_len=seq_ctx.max_seq_len,
+        doc_bounds=list(seq_ctx.doc_bounds) if seq_ctx.doc_bounds is not None else None,
+    )
