@@ -126,7 +126,7 @@ def _check_feature_acts(cell: Cell, result: dict, plain: dict) -> None:
             assert all(c == 2 * p for c, p in zip(calls, plain["probe"]["calls"][part])), (part, calls)
     elif name == "offload":
         assert probe["offloaded_bytes"] > 0 and "train/offloaded_gib" in result["logged"]
-    elif name == "compile":
+    elif name in ("compile", "compile_model"):
         assert probe["compiled_frames"] > 0 and "train/recompiles" in result["logged"]
     elif name == "fp8":
         assert probe["float8"] > 0

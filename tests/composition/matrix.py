@@ -169,6 +169,14 @@ FEATURES = (
         "first_step",
         "compile (`aot_eager` here; the fragment's `inductor` on GPUs)",
     ),
+    Feature(
+        "compile_model",
+        (),
+        "trainer:\n  callbacks+:\n    - class_path: xtl.callbacks.Compile\n"
+        "      init_args: {backend: aot_eager, scope: model}\n",
+        "first_step",
+        "compile of the whole training forward (`scope: model`, `aot_eager` here): one device, text models",
+    ),
     Feature("fp8", ("fp8.yaml",), "", "close", "fp8 tensorwise"),
     Feature("lora", ("lora.yaml",), "", "first_step", "LoRA"),
     Feature("qlora", ("lora.yaml", "qlora.yaml"), "", "close", "QLoRA (NF4 base)"),
@@ -293,6 +301,12 @@ REFUSED: dict[tuple[str, str, str], str] = {
     ("*", "grpo", "cp"): "GRPOModule generates whole sequences on each rank",
     ("vlm", "grpo", "*"): "GRPOModule trains text models",
     ("vlm_moe", "grpo", "*"): "GRPOModule trains text models",
+    **{
+        ("*", "compile_model", strategy): "Compile scope: model compiles the whole forward on one device"
+        for strategy in ("fsdp", "ep", "cp")
+    },
+    ("vlm", "compile_model", "*"): "Compile scope: model compiles text models",
+    ("vlm_moe", "compile_model", "*"): "Compile scope: model compiles text models",
     ("mla", "mtp", "cp"): "multi-token prediction shifts tokens across context-parallel shares",
     **{
         (f, "mtp", "*"): "mtp_layers is a setting of deepseek_v3 models only"
