@@ -5,7 +5,7 @@ Usage::
 
     python benchmarks/train_step.py [--recipe tiny --steps 51 --pairs 5 --warmup 1 --threads 1 --precision auto
                                      --peers transformers,trl --hf-sampling group_by_length --hf-accum 1
-                                     --no-fused]
+                                     --no-fused --compile none|layers|model]
     python benchmarks/train_step.py --recipe synthetic [--steps 21 --hidden 256 --layers 4 --samples 1000
                                                         --pack 2048]
 
@@ -37,7 +37,10 @@ Method:
 3. xtl (own spawned child per run): the ``xtl fit`` objects (``XTLCLI(..., run=False)`` on the recipe with
    ``--trainer.max_steps``, ``--trainer.precision``, a fresh temporary ``default_root_dir``, the warm cache dir
    and the progress bar off; fused q/k/v and gate/up projections, ``model_overrides: {fused_projections: true}``,
-   unless ``--no-fused``), then ``trainer.fit`` -- what ``xtl fit`` runs, logging every step included.
+   unless ``--no-fused``; with ``--compile layers|model`` the ``Compile`` callback, inductor, per decoder layer
+   or over the whole forward), then ``trainer.fit`` -- what ``xtl fit`` runs, logging every step included.
+   Step 1 (excluded from the timing, printed apart) holds the cold compile; the Dynamo frames compiled after it
+   (recompiles) are printed per run.
    Each child imports only what its side uses (the xtl child never imports ``datasets``: it would add ~80 MiB
    to its RSS; the peers never import Lightning).
 4. Peers (own spawned child per run; ``AutoModelForCausalLM`` with SDPA from the saved weights, CPU, ``bf16=True``
@@ -127,6 +130,7 @@ class BenchConfig:
     hidden: int = 0
     layers: int = 0
     fused: bool = True
+    compile: str = "none"
     hf_dir: str = ""
     hf_data: str = ""
     tokenizer: str = ""
@@ -149,6 +153,8 @@ class SideResult:
     peak_rss_bytes: int
     threads: int
     autocast: str
+    first_step_seconds: float = 0.0
+    recompiles: int | None = None
 
     @property
     def useful_tok_s(self) -> float:
@@ -229,6 +235,9 @@ def xtl_args(cfg: BenchConfig, data: Path | None, pack: int) -> list[str]:
     ]
     if cfg.fused:
         args.append('--model.init_args.model_overrides={"fused_projections": true}')
+    if cfg.compile != "none":
+        compile_callback = {"class_path": "xtl.callbacks.Compile", "init_args": {"scope": cfg.compile}}
+        args.append(f"--trainer.callbacks+={json.dumps(compile_callback)}")
     if data is not None:
         args += [
             f"--model.init_args.model={work / 'hf_model'}",
@@ -610,6 +619,7 @@ class StepTimer:
             peak_rss_bytes=_vm_hwm(),
             threads=torch.get_num_threads(),
             autocast=self.autocast,
+            first_step_seconds=first[1] - first[0],
         )
 
     def _begin(self, part: str) -> None:
@@ -637,9 +647,11 @@ def run_xtl(cfg: BenchConfig) -> SideResult:
     _child_setup(cfg.threads, uses_datasets=False)
     import lightning.pytorch as pl
 
+    from xtl.callbacks.compile import compiled_frames
     from xtl.cli import XTLCLI
 
     timer = StepTimer()
+    frames: list[int] = []  # Dynamo frames compiled so far, at the end of each step
 
     class Clock(pl.Callback):
         def on_train_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
@@ -656,13 +668,17 @@ def run_xtl(cfg: BenchConfig) -> SideResult:
                 sum(mb.seq_ctx.seq_len for mb in batch),
                 sum(mb.num_tokens for mb in batch),
             )
+            frames.append(compiled_frames())
 
     root = tempfile.mkdtemp(prefix="xtl_run_", dir=cfg.work_dir)  # a fresh run folder (logs, checkpoints) per run
     with contextlib.redirect_stdout(io.StringIO()):  # the data summary line every run prints
         cli = XTLCLI(args=[*cfg.xtl_args, f"--trainer.default_root_dir={root}"], run=False)
         cli.trainer.callbacks.append(Clock())
         cli.trainer.fit(cli.model, datamodule=cli.datamodule)
-    return timer.result("xtl")
+    result = timer.result("xtl")
+    if cfg.compile != "none":
+        result.recompiles = frames[-1] - frames[0]
+    return result
 
 
 def _lr_factor(kind: str, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> Any:
@@ -879,10 +895,12 @@ def _mib(n: float) -> str:
 
 
 def _run_line(label: str, r: SideResult) -> str:
+    compiled = r.recompiles is not None
     return (
         f"  {label:13s} {r.useful_tok_s:7.0f} useful tok/s, fill {r.fill:.3f}, peak RSS {_mib(r.peak_rss_bytes)}, "
         f"{r.steps_timed} steps in {r.seconds:.2f} s ({r.cpu_seconds:.1f} CPU s), {r.threads} thread(s), "
-        f"autocast {r.autocast}"
+        f"autocast {r.autocast}; step 1 (warm-up{', compiles' if compiled else ''}) {r.first_step_seconds:.2f} s"
+        + (f", recompiles after step 1: {r.recompiles}" if compiled else "")
     )
 
 
@@ -920,6 +938,12 @@ def main() -> None:
     parser.add_argument(
         "--no-fused", action="store_true", help="xtl with separate q/k/v and gate/up projections (fused by default)"
     )
+    parser.add_argument(
+        "--compile",
+        default="none",
+        choices=["none", "layers", "model"],
+        help="xtl with the Compile callback (inductor): per layer, or the whole forward (scope: model)",
+    )
     synthetic = parser.add_argument_group("synthetic recipe")
     synthetic.add_argument("--hidden", type=int, default=256, help="hidden size (heads = hidden/64, head_dim 64)")
     synthetic.add_argument("--layers", type=int, default=4)
@@ -953,6 +977,7 @@ def main() -> None:
             peers=peers,
             hidden=args.hidden,
             fused=not args.no_fused,
+            compile=args.compile,
             layers=args.layers,
         )
         data = None
@@ -1085,7 +1110,12 @@ def _print_setup(cfg: BenchConfig, info: dict[str, Any]) -> None:
             "loss tokens": mask,
             "optimizer": optimizer,
             "schedule": schedule,
-            "logging": "every step (recipe), metrics.csv written every 50 steps (xtl.loggers.CSVLogger)",
+            "logging": "every step (recipe), metrics.csv flushed every 100 steps (Lightning's CSVLogger default)",
+            "compile": {
+                "none": "eager",
+                "layers": "Compile(): each decoder layer + head/loss, inductor [xtl-only]",
+                "model": "Compile(scope=model): the whole forward + head/loss, inductor [xtl-only]",
+            }[cfg.compile],
         },
         "transformers": {
             "runs": "transformers.Trainer (use_cpu=True)",
