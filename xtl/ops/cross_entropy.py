@@ -150,16 +150,17 @@ def _chunked_loss_and_grads(
     flat_h = hidden.reshape(-1, hidden.shape[-1])
     flat_t = targets.reshape(-1).to(hidden.device)
     w = weight.to(compute)
-    # one chunk when all rows fit: no Python loop over the row count, so a compiled caller does not specialize on it
     n = flat_h.shape[0]
-    grad_h = torch.empty_like(flat_h) if need_h and n > rows else None
+    # all rows in one chunk when they fit: no Python loop over the row count, which a compiled caller would
+    # specialize on (one compile per count)
+    chunks = [slice(None)] if n <= rows else [slice(start, start + rows) for start in range(0, n, rows)]
+    grad_h = torch.empty_like(flat_h) if need_h and len(chunks) > 1 else None
     grad_w = None
     loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
-    starts = [0] if n <= rows else range(0, n, rows)
     with torch.autocast(device_type, enabled=False):
-        for start in starts:
-            h, t = (flat_h, flat_t) if n <= rows else (flat_h[start : start + rows], flat_t[start : start + rows])
-            h = h.to(compute)
+        for chunk in chunks:
+            h = flat_h[chunk].to(compute)
+            t = flat_t[chunk]
             valid = t != ignore_index
             safe_t = torch.where(valid, t, 0)
             logits = (h @ w.t()).float()
@@ -172,10 +173,10 @@ def _chunked_loss_and_grads(
             grad_logits[torch.arange(t.numel(), device=t.device), safe_t] -= 1.0
             grad_logits.mul_(valid[:, None])
             grad_logits = grad_logits.to(compute)
-            if need_h and n <= rows:
+            if need_h and grad_h is None:  # the only chunk
                 grad_h = (grad_logits @ w).to(flat_h.dtype)
             elif need_h:
-                grad_h[start : start + rows] = grad_logits @ w
+                grad_h[chunk] = grad_logits @ w
             if need_w:
                 grad_w = _accumulate(grad_w, grad_logits.t(), h, weight.dtype)
     if need_w and grad_w is None:  # no rows
