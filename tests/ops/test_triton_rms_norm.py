@@ -10,10 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
 
-from xtl.module.decoder_layer import DecoderLayer
-from xtl.module.norm import RMSNorm
 from xtl.ops import get_add_rms_norm_fn
 from xtl.ops.rms_norm import add_rms_norm_fused, add_rms_norm_torch, add_rms_norm_triton, rms_norm_hf
 
@@ -133,30 +130,6 @@ class TestTritonAddRMSNormGPU:
     def test_selected_on_cuda(self, monkeypatch):
         monkeypatch.setenv("XTL_HF_IMPL", "0")
         assert get_add_rms_norm_fn(torch.device("cuda")) is add_rms_norm_triton
-
-
-class _Scale(nn.Module):
-    def __init__(self, width: int, seed: int) -> None:
-        super().__init__()
-        self.scale = nn.Parameter(torch.randn(width, generator=torch.Generator().manual_seed(seed)))
-
-    def forward(self, h: torch.Tensor, *_: object) -> torch.Tensor:
-        return torch.tanh(h * self.scale)
-
-
-def _layer(norm_class: type[RMSNorm]) -> tuple[DecoderLayer, torch.Tensor]:
-    layer = DecoderLayer(_Scale(32, 1), _Scale(32, 2), 32, EPS, norm_class)
-    with torch.no_grad():
-        layer.post_attention_layernorm.weight.normal_(generator=torch.Generator().manual_seed(3))
-    hidden = torch.randn(2, 3, 32, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16).requires_grad_()
-    return layer.to(torch.bfloat16), hidden
-
-
-def _unfused_layer(layer: DecoderLayer, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The layer as written before the fused op: add, then the norm module."""
-    h = hidden + layer.self_attn(layer.input_layernorm(hidden), (None, None), None, None)
-    out = h + layer.mlp(layer.post_attention_layernorm(h))
-    return out, torch.autograd.grad(out.sum(), hidden)[0]
 
 
 def _inputs(

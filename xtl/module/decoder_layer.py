@@ -13,6 +13,9 @@ from xtl.ops.attention import AttentionMaskSpec
 class DecoderLayer(nn.Module):
     """``x + attn(norm(x))`` then ``x + mlp(norm(x))``.
 
+    The residual add after attention and the post-attention norm are one call of that norm, ``norm(h, residual)``
+    (one fused kernel on CUDA; off CUDA and under ``XTL_HF_IMPL`` the same ops as the add followed by the norm).
+
     Args:
         self_attn: Attention module called as ``self_attn(h, position_embeddings, mask, kv_cache)``.
         mlp: Feed-forward module called as ``mlp(h)``.
@@ -45,7 +48,5 @@ class DecoderLayer(nn.Module):
         """Run the layer on ``(B, T, C)`` hidden states (``kv_cache``: this layer's cache, when decoding)."""
         residual = hidden_states
         hidden_states = self.self_attn(self.input_layernorm(hidden_states), position_embeddings, mask, kv_cache)
-        hidden_states = residual + hidden_states
-        residual = hidden_states
-        hidden_states = self.mlp(self.post_attention_layernorm(hidden_states))
-        return residual + hidden_states
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return residual + self.mlp(hidden_states)

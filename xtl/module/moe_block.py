@@ -94,7 +94,6 @@ class MoEDecoderLayer(DecoderLayer):
         """Run the layer on ``(B, T, C)``; returns the new hidden states and the router output."""
         residual = hidden_states
         hidden_states = self.self_attn(self.input_layernorm(hidden_states), position_embeddings, mask, kv_cache)
-        hidden_states = residual + hidden_states
-        residual = hidden_states
-        hidden_states, routing = self.mlp(self.post_attention_layernorm(hidden_states))
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        hidden_states, routing = self.mlp(hidden_states)
         return residual + hidden_states, routing

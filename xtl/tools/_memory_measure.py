@@ -35,6 +35,7 @@ gradients must be equal across the three.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -457,9 +458,20 @@ def _install_fused_ops(model: torch.nn.Module) -> None:
         name = type(module).__name__
         if name.endswith("RMSNorm"):
             eps = module.variance_epsilon if hasattr(module, "variance_epsilon") else module.eps  # HF / xtl
-            module.forward = lambda x, m=module, e=eps: _RMSNormFn.apply(x, m.weight, e)
+            module.forward = functools.partial(_rms_norm, module, eps)
         elif name.endswith("MLP"):
             module.forward = lambda x, m=module: m.down_proj(_SwiGLUFn.apply(*_gate_up(m, x)))
+
+
+def _rms_norm(
+    norm: torch.nn.Module, eps: float, x: torch.Tensor, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """A norm's forward through :class:`_RMSNormFn`; with ``residual`` (an xtl decoder layer's add + norm call),
+    ``(normed, residual + x)``."""
+    if residual is None:
+        return _RMSNormFn.apply(x, norm.weight, eps)
+    summed = residual + x
+    return _RMSNormFn.apply(summed, norm.weight, eps), summed
 
 
 def _gate_up(mlp: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
