@@ -29,13 +29,29 @@ RUN_CONFIG = "config.yaml"
 
 
 class SaveRunConfig(SaveConfigCallback):
-    """LightningCLI's config saving, plus ``<default_root_dir>/config.yaml`` for a ``fit`` (rank 0, atomically)."""
+    """LightningCLI's config saving, plus ``<default_root_dir>/config.yaml`` for a ``fit`` (rank 0, atomically).
+
+    The run folder's copy is the bytes Lightning has just written to the log folder (one dump of the config: a
+    dump validates the whole config again, a noticeable part of a short run's start-up), else a dump of its own.
+    """
+
+    _logged: Path | None = None
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Note where Lightning writes the config (``trainer.log_dir`` is a collective: every rank asks), then save."""
+        if self.save_to_log_dir and not self.already_saved:
+            self._logged = Path(trainer.log_dir or trainer.default_root_dir) / self.config_filename
+        super().setup(trainer, pl_module, stage)
 
     def save_config(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """Write the fit's config to the run folder."""
-        if stage == "fit":
-            text = self.parser.dump(self.config, skip_none=False)
-            atomic_write_bytes(Path(trainer.default_root_dir) / RUN_CONFIG, text.encode())
+        """Write the fit's config to the run folder (rank 0)."""
+        if stage != "fit":
+            return
+        if self._logged is not None and not self.multifile and self._logged.is_file():
+            text = self._logged.read_bytes()
+        else:
+            text = self.parser.dump(self.config, skip_none=False).encode()
+        atomic_write_bytes(Path(trainer.default_root_dir) / RUN_CONFIG, text)
 
 
 def root_outputs_at(config: Any, subcommand: str | None = None) -> None:

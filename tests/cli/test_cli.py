@@ -204,7 +204,9 @@ class TestTinyRecipesRun:
         rows = list(csv.DictReader(metrics.open()))
         assert [r["train/loss"] for r in rows if r.get("train/loss")], "train/loss was not logged"
         assert (run / "checkpoints" / "last.ckpt").exists()
-        assert next(run.glob("logs/version_*/config.yaml")).is_file()
+        logged = next(run.glob("logs/version_*/config.yaml"))
+        assert (run / "config.yaml").read_bytes() == logged.read_bytes()
+        assert yaml.safe_load(logged.read_text())["trainer"]["max_steps"] == 2
 
     def test_default_root_dir_moves_everything_the_run_writes(self, tmp_path, monkeypatch, data_cache):
         work, out = tmp_path / "work", tmp_path / "out"
