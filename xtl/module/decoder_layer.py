@@ -14,7 +14,7 @@ class DecoderLayer(nn.Module):
     """``x + attn(norm(x))`` then ``x + mlp(norm(x))``.
 
     The residual add after attention and the post-attention norm are one call of that norm, ``norm(h, residual)``
-    (one fused kernel on CUDA; off CUDA and under ``XTL_HF_IMPL`` the same ops as the add followed by the norm).
+    (one fused kernel on CUDA; elsewhere, and in HF-parity mode, the same ops as the add followed by the norm).
 
     Args:
         self_attn: Attention module called as ``self_attn(h, position_embeddings, mask, kv_cache)``.
