@@ -64,6 +64,7 @@ def _step(model, batches, dp_world_size):
         dp_world_size=dp_world_size,
         backward=lambda loss: loss.backward(),
         device=torch.device("cpu"),
+        group=dist.group.WORLD if dist.is_initialized() else None,  # the data group: every rank here
         gradient_sync=getattr(model, "set_requires_gradient_sync", None),
     )
 

@@ -31,9 +31,10 @@ class StepResult:
 
 
 def global_token_count(local: int, device: torch.device, group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """All-reduce (sum) this rank's supervised-token count over the data-parallel group."""
+    """All-reduce (sum) this rank's supervised-token count over the data-parallel group (``None``: this rank is the
+    whole data group, nothing to reduce)."""
     count = torch.tensor(float(local), device=device)
-    if dist.is_initialized():
+    if group is not None:
         dist.all_reduce(count, group=group)
     return count
 
