@@ -15,13 +15,13 @@ import numpy as np
 import pytest
 import torch
 
+from xtl.callbacks import LoRA
 from xtl.data import MicroBatch, Pack, SourceSpec, XTLDataModule, collate_pack
 from xtl.data.packing import PackPlan
 from xtl.data.sources import FileHashMemo
 from xtl.errors import ConfigError
-from xtl.module.lora import adapters_disabled, add_lora
 from xtl.train import PreferenceLoss, PreferenceModule
-from xtl.train.preference import pair_count, sequence_logps
+from xtl.train.preference import _pair_logps, pair_count, sequence_logps
 from xtl.train.preference_loss import SequenceLogps
 from xtl.train.reference_cache import (
     ReferenceTable,
@@ -33,6 +33,7 @@ from xtl.train.reference_cache import (
     save_reference_table,
     weights_fingerprint,
 )
+from xtl.train.scorer import score_tokens
 from xtl.utils import TINY_ASSETS_DIR
 
 MODEL = {
@@ -56,10 +57,22 @@ def _pairs(lengths: list[int], seed: int = 0, index: int = 0):
     return collate_pack(Pack(index, np.concatenate(ids), np.concatenate(labels), lengths))
 
 
-def _module(**kwargs) -> PreferenceModule:
+def _module(callbacks: tuple = (), **kwargs) -> PreferenceModule:
+    """A built module; ``callbacks``: the run's (model transforms such as LoRA)."""
     module = PreferenceModule(MODEL, **kwargs)
+    module._trainer = SimpleNamespace(callbacks=list(callbacks), strategy=None, global_step=0, ckpt_path=None)
     module.configure_model()
+    module._trainer = None
     return module
+
+
+def _train_adapters(module: PreferenceModule, seed: int = 3) -> None:
+    """Give every LoRA factor of ``module`` random values (a trained adapter)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in module.model.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
 
 
 class TestSequenceLogps:
@@ -68,8 +81,7 @@ class TestSequenceLogps:
         """Summed log-probabilities of each response's supervised tokens, from the full logits (fp32, 1e-5)."""
         module = _module(objective=PreferenceLoss("simpo"))
         mb = _pairs(lengths)
-        out = module.model(seq_ctx=mb.seq_ctx, labels=mb.labels, return_logits=False, return_token_losses=True)
-        got, nll = sequence_logps(out, mb)
+        got, nll = sequence_logps(score_tokens(module.model, mb.seq_ctx, mb.labels), mb)
         logits = module.model(seq_ctx=mb.seq_ctx, labels=mb.labels, return_logits=True).logits
         targets = mb.labels[0]
         picked = torch.log_softmax(logits[0].float(), -1).gather(1, targets.clamp(min=0)[:, None])[:, 0]
@@ -87,17 +99,19 @@ class TestSequenceLogps:
 
 class TestReference:
     def test_a_live_reference_starts_equal_to_the_policy(self):
-        """Step 0: policy = reference, so rewards are 0 and the DPO loss is log 2 per pair; the reference is not a
-        submodule (no optimizer state, not in checkpoints) and has no gradient."""
+        """Step 0: policy = reference, so rewards are 0 and the DPO loss is log 2 per pair; only the policy trains
+        and checkpoints leave the frozen copy out."""
         module = _module()
-        assert module.resolved_reference == "live"
+        assert module.reference.mode == "live" and module.reference.frozen is not None
         mb = _pairs([9, 7, 12, 10])
         _, terms, _ = module._pair_terms(mb)
         assert terms.metric_sums["rewards/margins"] == 0
         assert math.isclose(float(terms.loss_sum.detach()), 2 * math.log(2), rel_tol=1e-6)
-        names = {name for name, _ in module.named_parameters()}
-        assert all(name.startswith("model.") for name in names)
-        assert not any(p.requires_grad for p in module._reference[0].parameters())
+        assert all(name.startswith("model.") for name, p in module.named_parameters() if p.requires_grad)
+        assert not any(p.requires_grad for p in module.reference.parameters())
+        assert not any(key.startswith("reference.") for key in module.state_dict())
+        module.train()
+        assert module.model.training and not module.reference.frozen.training, "the reference stays in eval mode"
 
     def test_the_reference_stays_while_the_policy_moves(self):
         module = _module()
@@ -107,22 +121,22 @@ class TestReference:
         _, terms, _ = module._pair_terms(mb)
         assert terms.metric_sums["rewards/chosen"] != 0
 
-    def test_adapters_off_is_the_base_model(self):
-        """Under LoRA, the reference is the same model with adapters off: equal to the model before adapters."""
-        module = _module(reference="live")
+    def test_under_fresh_lora_the_reference_is_the_base_model(self):
+        """Fresh adapters: ``auto`` resolves to ``adapters_off``, with no copy of the model; as the adapters train,
+        the reference stays the base model."""
+        module, base = _module(callbacks=(LoRA(rank=2),)), _module(reference="live")
+        assert module.reference.mode == "adapters_off" and module.reference.frozen is None
         mb = _pairs([9, 7, 12, 10])
-        base = module.model(seq_ctx=mb.seq_ctx, labels=mb.labels, return_logits=False).loss_sum
-        add_lora(module.model.layers[0].self_attn.q_proj, rank=2, alpha=4)
-        torch.nn.init.normal_(module.model.layers[0].self_attn.q_proj.lora_B.weight)
-        adapted = module.model(seq_ctx=mb.seq_ctx, labels=mb.labels, return_logits=False).loss_sum
-        with adapters_disabled(module.model):
-            off = module.model(seq_ctx=mb.seq_ctx, labels=mb.labels, return_logits=False).loss_sum
-        assert adapted != base and off == base
-        module.reference_mode = "auto"
-        assert module.resolved_reference == "adapters_off"
+        _train_adapters(module)
+        want = sequence_logps(score_tokens(base.model, mb.seq_ctx, mb.labels), mb)[0]
+        with module.reference.computing(module.model) as reference:
+            got = sequence_logps(score_tokens(reference, mb.seq_ctx, mb.labels), mb)[0]
+        torch.testing.assert_close(got.chosen, want.chosen, rtol=0, atol=0)
+        _, terms, _ = module._pair_terms(mb)
+        assert terms.metric_sums["rewards/chosen"] != 0, "the trained adapters act on the policy"
 
     def test_reference_free_losses_need_no_reference(self):
-        assert _module(objective=PreferenceLoss("orpo")).resolved_reference == "none"
+        assert _module(objective=PreferenceLoss("orpo")).reference.mode == "none"
 
 
 PACKS = [[9, 7, 12, 10], [6, 30], [5, 5, 17, 8, 11, 9]]  # three packs of 2, 1 and 3 pairs
@@ -137,10 +151,11 @@ def _plan(packs: list[list[int]]) -> PackPlan:
     return PackPlan(128, offsets, np.arange(len(ends)), zeros, ends, pairs=True)
 
 
-def _table(module: PreferenceModule, packs: list[list[int]]) -> ReferenceTable:
-    """The precomputed table of these packs, computed by the module's reference forward on one rank."""
+def _table(module: PreferenceModule, packs: list[list[int]], moved: bool = False) -> ReferenceTable:
+    """The precomputed table of these packs, computed from the module's starting policy on one rank."""
     batches = [_pairs(lengths, seed=i, index=i) for i, lengths in enumerate(packs)]
-    with module._reference_forward() as (forward, _):
+    with module.reference.starting_policy(module.model, moved) as (model, _):
+        forward = lambda mb: _pair_logps(model, mb, None)  # noqa: E731
         return compute_reference_table(batches, pair_offsets(_plan(packs)), lambda mb: mb, forward)
 
 
@@ -149,8 +164,8 @@ class TestPrecomputedReference:
         """The table's log-probabilities are those a live reference computes; no second model is built; the table
         stays while the policy moves (the pair terms then equal live's, whose reference stays too)."""
         live, precomputed = _module(reference="live"), _module(reference="precomputed")
-        assert precomputed._reference == [] and len(live._reference) == 1
-        precomputed._tables["train"] = _table(precomputed, PACKS)
+        assert precomputed.reference.frozen is None and live.reference.frozen is not None
+        precomputed.precomputed.tables["train"] = _table(precomputed, PACKS)
         for _ in range(2):
             for i, lengths in enumerate(PACKS):
                 mb = _pairs(lengths, seed=i, index=i)
@@ -166,48 +181,45 @@ class TestPrecomputedReference:
 
     def test_a_table_of_other_packs_is_refused(self):
         module = _module(reference="precomputed")
-        module._tables["train"] = _table(module, PACKS)
+        module.precomputed.tables["train"] = _table(module, PACKS)
         with pytest.raises(ValueError, match="pack 1 holds 2 pairs but the reference table has 1"):
             module._pair_terms(_pairs([9, 7, 12, 10], index=1))
         with pytest.raises(RuntimeError, match="no reference table was prepared for val/0"):
             module._pair_terms(_pairs([9, 7]), "val/0")
 
     def test_a_moved_policy_is_never_the_reference(self):
-        """On a resumed run the policy has moved: the table comes from a fresh copy of the starting weights."""
+        """On a resumed run the policy has moved: the table comes from a fresh copy of the starting policy."""
         module = _module(reference="precomputed")
         want = _table(module, PACKS).logps
         with torch.no_grad():
             module.model.lm_head.weight.mul_(1.5)
-        module._trainer = SimpleNamespace(ckpt_path="last.ckpt", global_step=2, strategy=None)
-        with module._reference_forward() as (_, source):
-            assert "copy of the starting weights" in source
-        torch.testing.assert_close(_table(module, PACKS).logps, want, rtol=0, atol=0)
-        assert module.model.training and module._reference == [], "the copy is released, the policy's mode kept"
+        with module.reference.starting_policy(module.model, moved=True) as (_, source):
+            assert "copy of the starting policy" in source
+        torch.testing.assert_close(_table(module, PACKS, moved=True).logps, want, rtol=0, atol=0)
+        assert module.model.training, "the policy's mode is kept"
 
-    def test_under_lora_the_adapters_are_off(self):
-        """Under LoRA the table is the base model's (adapters off), on a fresh run and a resumed one alike."""
-        module = _module(reference="precomputed")
+    def test_under_lora_the_starting_adapters_compute_it(self):
+        """Under LoRA the table is the starting policy's, on a fresh run and a resumed one alike: fresh adapters
+        off; a loaded adapter as it was loaded."""
+        module = _module(reference="precomputed", callbacks=(LoRA(rank=2),))
         want = _table(module, PACKS).logps
-        add_lora(module.model.layers[0].self_attn.q_proj, rank=2, alpha=4)
-        torch.nn.init.normal_(module.model.layers[0].self_attn.q_proj.lora_B.weight)
-        for trainer in (None, SimpleNamespace(ckpt_path="last.ckpt", global_step=2, strategy=None)):
-            module._trainer = trainer
-            with module._reference_forward() as (_, source):
-                assert source == "the model with its LoRA adapters off"
-            torch.testing.assert_close(_table(module, PACKS).logps, want, rtol=0, atol=0)
+        _train_adapters(module)
+        with module.reference.starting_policy(module.model, moved=True) as (_, source):
+            assert source == "the model with its LoRA adapters off"
+        torch.testing.assert_close(_table(module, PACKS, moved=True).logps, want, rtol=0, atol=0)
         mb = _pairs(PACKS[0])
         with torch.no_grad():
-            out = module.model(seq_ctx=mb.seq_ctx, labels=mb.labels, return_logits=False, return_token_losses=True)
-        assert not torch.equal(sequence_logps(out, mb)[0].chosen, want[0, :2]), "the adapters are on again"
+            chosen = sequence_logps(score_tokens(module.model, mb.seq_ctx, mb.labels), mb)[0].chosen
+        assert not torch.equal(chosen, want[0, :2]), "the adapters are on again"
 
     def test_needs_the_xtl_data_module(self):
         module = _module(reference="precomputed")
         module._trainer = SimpleNamespace(datamodule=None)
         with pytest.raises(ConfigError, match="reference: precomputed reads the pairs from xtl.data.XTLDataModule"):
-            module._prepare_reference_tables()
+            module.precomputed.prepare()
 
     def test_a_reference_free_loss_refuses_it(self):
-        with pytest.raises(ConfigError, match="reference: precomputed, but loss_type 'simpo' uses no reference"):
+        with pytest.raises(ConfigError, match="reference: precomputed, but the objective uses no reference"):
             PreferenceModule(MODEL, objective=PreferenceLoss("simpo"), reference="precomputed")
 
 
@@ -318,7 +330,7 @@ class TestSetFingerprint:
 
 class TestRefusals:
     def test_no_reference_for_dpo(self):
-        with pytest.raises(ConfigError, match="reference: none, but loss_type 'sigmoid'"):
+        with pytest.raises(ConfigError, match="reference: none, but the objective compares with a reference"):
             PreferenceModule(MODEL, reference="none")
 
     def test_adapters_off_without_lora(self):
@@ -386,7 +398,7 @@ class TestUnpaired:
         loss, rewards and KL reference point equal a live reference's."""
         kto = PreferenceLoss("kto", beta=0.5)
         live, precomputed = _module(reference="live", objective=kto), _module(reference="precomputed", objective=kto)
-        precomputed._tables["train"] = _table(precomputed, PACKS)
+        precomputed.precomputed.tables["train"] = _table(precomputed, PACKS)
         with torch.no_grad():  # flatter logits
             for module in (live, precomputed):
                 module.model.lm_head.weight.mul_(0.25)
@@ -404,14 +416,17 @@ class TestUnpaired:
         """KTO with ``adapters_off``: the adapted policy's rewards and KL point are measured against the base model,
         the same as a live copy of the base gives."""
         kto = PreferenceLoss("kto", beta=0.5)
-        live, lora = _module(reference="live", objective=kto), _module(reference="live", objective=kto)
-        for module in (live, lora):  # the same adapters on both
-            torch.manual_seed(3)
-            add_lora(module.model.layers[0].self_attn.q_proj, rank=2, alpha=4)
-            torch.nn.init.normal_(module.model.layers[0].self_attn.q_proj.lora_B.weight)
-        lora.reference_mode, lora._reference = "adapters_off", []
+        live = _module(reference="live", objective=kto)
+        lora = _module(reference="adapters_off", objective=kto, callbacks=(LoRA(rank=2),))
+        _train_adapters(lora)
+        live.model.load_state_dict({k: v for k, v in lora.model.state_dict().items() if "lora_" not in k})
         mb = _unpaired([9, 7, 12, 10], [1, 0])
-        (_, want, _), (_, got, _) = live._pair_terms(mb), lora._pair_terms(mb)
+        with torch.no_grad():
+            want_policy = sequence_logps(score_tokens(lora.model, mb.seq_ctx, mb.labels), mb)[0]
+        _, got, _ = lora._pair_terms(mb)
+        live_ref = sequence_logps(score_tokens(live.reference.frozen, mb.seq_ctx, mb.labels), mb)[0]
+        want = kto.terms(want_policy, live_ref, torch.zeros(()), torch.tensor([True, False]),
+                         kto.kl_point(want_policy, live_ref))  # fmt: skip
         assert got.metric_sums["rewards/chosen"] != 0
         for key in ("rewards/chosen", "rewards/rejected", "kl"):
             torch.testing.assert_close(got.metric_sums[key], want.metric_sums[key], rtol=1e-6, atol=1e-7)

@@ -160,7 +160,7 @@ class TestPreferenceFit:
         steps += [*_small_pairs(tmp_path), "--data.micro_batches_per_step", "2"]
         cache = tmp_path / "cache"
         full, err = _fit(tmp_path / "full", cache, MOE, *every_2, *steps, fragment=fragment)
-        assert "reference log-probabilities of train (46 pairs, 31 packs on 2 rank(s)" in err
+        assert "reference log-probabilities of train (46 pairs, 31 packs on 2 data rank(s)" in err
         assert abs(full[0]["train/rewards/chosen"]) < 1e-4 and abs(full[0]["train/rewards/rejected"]) < 1e-4
         (ckpt,) = (tmp_path / "full/runs/tiny_dpo/ckpt").glob("*step=2.ckpt")
         resumed, err = _fit(tmp_path / "resumed", cache, MOE, *steps, "--ckpt_path", str(ckpt), fragment=fragment)
@@ -176,8 +176,8 @@ class TestPreferenceFit:
         live, _ = _fit(tmp_path / "live", tmp_path / "cache", TINY_MODEL, *data, *one)
         pre, err = _fit(tmp_path / "pre", tmp_path / "cache", TINY_MODEL, *data, *one, *PRECOMPUTED)
         assert "reference: precomputed" in err
-        assert "reference log-probabilities of train (46 pairs, 31 packs on 1 rank(s), from the policy" in err
-        assert "reference log-probabilities of val set heldout (16 pairs, 8 packs on 1 rank(s)" in err
+        assert "reference log-probabilities of train (46 pairs, 31 packs on 1 data rank(s), from the policy" in err
+        assert "reference log-probabilities of val set heldout (16 pairs, 8 packs on 1 data rank(s)" in err
         _close(pre, live, range(3), rel=1e-6, abs_=REWARD_ATOL)
         (val_live,), (val_pre,) = _val_rows(tmp_path / "live"), _val_rows(tmp_path / "pre")
         for key in ("val/loss", "val/rewards/margins", "val/rewards/chosen"):
@@ -188,7 +188,7 @@ class TestPreferenceFit:
         sharded, err = _fit(
             tmp_path / "fsdp", tmp_path / "cache2", TINY_MODEL, *data, *two, *PRECOMPUTED, fragment=fsdp
         )
-        assert "reference log-probabilities of train (46 pairs, 31 packs on 2 rank(s)" in err
+        assert "reference log-probabilities of train (46 pairs, 31 packs on 2 data rank(s)" in err
         _close(sharded, pre, range(3), abs_=REWARD_ATOL)
         one_process, two_ranks = _tables(tmp_path / "cache"), _tables(tmp_path / "cache2")
         assert sorted(two_ranks) == [16, 46]
@@ -213,7 +213,7 @@ class TestPreferenceFit:
         for path in (cache / "reference").glob("*.npz"):
             path.unlink()
         rebuilt, err = _fit(tmp_path / "rebuilt", cache, TINY_MODEL, *data, *steps, "--ckpt_path", str(ckpt))
-        assert "from a copy of the starting weights, the resumed policy has moved) computed" in err
+        assert "from a copy of the starting policy (the resumed policy has moved)) computed" in err
         assert [rebuilt[s]["train/loss"] for s in (2, 3)] == [full[s]["train/loss"] for s in (2, 3)]
 
 

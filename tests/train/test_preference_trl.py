@@ -66,6 +66,7 @@ from xtl.data.packing import Pack
 from xtl.model import get_model_config_from_hf
 from xtl.train.preference import pair_count, sequence_logps
 from xtl.train.preference_loss import METRICS, PairTerms, PreferenceLoss, SequenceLogps
+from xtl.train.scorer import score_tokens
 from xtl.utils import resolve_pretrained
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*is deprecated and will be removed in v6:FutureWarning")
@@ -327,8 +328,7 @@ def pack(pairs: list[tuple[Sequence, Sequence]], padding: int = 0) -> MicroBatch
 
 def logps(model: torch.nn.Module, mb: MicroBatch) -> tuple[SequenceLogps, torch.Tensor]:
     with torch.no_grad():
-        output = model(seq_ctx=mb.seq_ctx, labels=mb.labels, return_logits=False, return_token_losses=True)
-    return sequence_logps(output, mb)
+        return sequence_logps(score_tokens(model, mb.seq_ctx, mb.labels), mb)
 
 
 def step(

@@ -15,6 +15,7 @@ from xtl.model import BaseModel
 from xtl.model.base import has_fused_projections
 from xtl.model.hf.peft_adapter import (
     ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
     hf_module_path,
     load_peft_adapter,
     merge_lora_transform,
@@ -24,8 +25,15 @@ from xtl.model.hf.peft_adapter import (
     read_adapter_config,
     save_peft_adapter,
 )
-from xtl.module.lora import LORA_INITS, add_lora, lora_layers
-from xtl.strategies.parallelize import HFExportRequest, ModelTransform, TransformStage
+from xtl.module.lora import (
+    LORA_INITS,
+    adapters_disabled,
+    add_lora,
+    keep_starting_adapters,
+    lora_layers,
+    starting_adapters,
+)
+from xtl.strategies.parallelize import HFExportRequest, ModelTransform, ReferenceViews, TransformStage
 from xtl.utils import resolve_path
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -143,11 +151,35 @@ class LoRA(pl.Callback, ModelTransform):
         return any(fnmatch.fnmatchcase(name, p) or fnmatch.fnmatchcase(last, p) for p in self.target_modules)
 
     def after_weights(self, model: BaseModel) -> BaseModel:
-        """Load ``adapter_path``'s factors into the adapters (initialized with the weights, overwritten here)."""
+        """Load ``adapter_path``'s factors into the adapters (initialized with the weights, overwritten here) and
+        keep a frozen copy of them: the starting adapters of :meth:`reference_views`."""
         if self.adapter_path is not None:
             load_peft_adapter(model, self._config_file.parent)
+            keep_starting_adapters(model)
             rank_zero_info(f"LoRA: loaded adapter {self._config_file.parent}")
         return model
+
+    def reference_views(self, model: BaseModel) -> ReferenceViews:
+        """The adapted model as it started, without a second copy: with its adapters off when they start fresh
+        (``B = 0``: the base model), else with the frozen copy of the loaded adapter (as TRL keeps a ``ref`` adapter);
+        and the base model (adapters off), which is the starting policy only for fresh adapters."""
+        fresh = self.adapter_path is None
+        return ReferenceViews(
+            start=lambda: adapters_disabled(model) if fresh else starting_adapters(model),
+            base=lambda: adapters_disabled(model),
+            base_is_start=fresh,
+            why_base_is_not_start=""
+            if fresh
+            else f"LoRA.adapter_path ({self.adapter_path}) continues from a trained "
+            "adapter, so the model with its adapters off is not the starting policy",
+            describe_start="the model with its LoRA adapters off"
+            if fresh
+            else f"the model with a frozen copy of the LoRA adapter it started from ({self.adapter_path})",
+        )
+
+    def weight_files(self) -> list[Path]:
+        """The adapter's safetensors file when continuing from one."""
+        return [self._config_file.parent / ADAPTER_WEIGHTS] if self.adapter_path is not None else []
 
     def skipped_checkpoint_keys(self, model: BaseModel) -> set[str]:
         """The frozen parameters (every name of a tied one): the model source rebuilds them on resume."""

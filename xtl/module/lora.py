@@ -15,7 +15,9 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 LORA_INITS = ("kaiming", "gaussian")
 
@@ -72,6 +74,9 @@ def add_lora(
     layer.lora_B = LoRAProjection(rank, layer.out_features, "B", init, **factory)
     layer.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
     layer.lora_scaling = alpha / math.sqrt(rank) if use_rslora else alpha / rank
+    layer.lora_enabled = True
+    layer.lora_use_start = False
+    layer.lora_start = None  # (A, B) kept by keep_starting_adapters
     layer.register_forward_hook(_add_adapter_output)
 
 
@@ -96,6 +101,29 @@ def adapters_disabled(model: nn.Module) -> Iterator[None]:
             layer.lora_enabled = True
 
 
+def keep_starting_adapters(model: nn.Module) -> None:
+    """Remember the current factors of every adapted layer of ``model`` as its starting adapters (full tensors, on
+    the factors' device; a sharded factor is gathered, so every rank calls this), for :func:`starting_adapters`."""
+    for _, layer in lora_layers(model):
+        layer.lora_start = tuple(_full(factor.weight).detach().clone() for factor in (layer.lora_A, layer.lora_B))
+
+
+@contextmanager
+def starting_adapters(model: nn.Module) -> Iterator[None]:
+    """Within the block, every adapted layer of ``model`` computes with the adapters remembered by
+    :func:`keep_starting_adapters` (frozen: no gradient reaches them; no dropout), and with none where nothing was
+    remembered: the starting policy of a run that continues from a trained adapter, without a second copy of the
+    model or an in-place change of the trained factors (a pending backward still sees them unchanged)."""
+    layers = [layer for _, layer in lora_layers(model)]
+    for layer in layers:
+        layer.lora_use_start = True
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.lora_use_start = False
+
+
 def merged_weight(layer: nn.Linear, weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor) -> torch.Tensor:
     """``weight + scaling * B @ A`` in fp32, cast back to ``weight``'s dtype (full, unsharded tensors)."""
     delta = (lora_b.float() @ lora_a.float()) * layer.lora_scaling
@@ -103,8 +131,18 @@ def merged_weight(layer: nn.Linear, weight: torch.Tensor, lora_a: torch.Tensor, 
 
 
 def _add_adapter_output(layer: nn.Module, args: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor:
-    if not getattr(layer, "lora_enabled", True):
+    if not layer.lora_enabled:
         return output
     x = args[0]
-    x = x.to(layer.lora_A.weight.dtype) if not torch.is_autocast_enabled(x.device.type) else x
+    dtype = layer.lora_A.weight.dtype  # the compute dtype (a sharded factor is gathered in it)
+    x = x.to(dtype) if not torch.is_autocast_enabled(x.device.type) else x
+    if layer.lora_use_start:
+        if layer.lora_start is None:
+            return output
+        start_a, start_b = (factor.to(dtype) for factor in layer.lora_start)
+        return output + F.linear(F.linear(x, start_a), start_b) * layer.lora_scaling
     return output + layer.lora_B(layer.lora_A(layer.lora_dropout(x))) * layer.lora_scaling
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor

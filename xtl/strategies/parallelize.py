@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import warnings
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, replace
 from enum import IntEnum
 from pathlib import Path
@@ -34,6 +35,7 @@ from typing import Any, ClassVar
 import torch
 
 from xtl.model import BaseModel
+from xtl.model.hf.peft_adapter import merge_peft_adapter
 from xtl.strategies.layout import ParallelLayout, ParallelMeshes
 
 
@@ -71,6 +73,19 @@ class ModelTransform(ABC):
         """Keys of ``model.state_dict()`` that training checkpoints leave out because the model source rebuilds
         them on resume (e.g. LoRA's frozen base weights); default: none."""
         return set()
+
+    def reference_views(self, model: BaseModel) -> ReferenceViews | None:
+        """How ``model`` computes without a copy of it as it did before training, when the transform trains parts
+        of its own (LoRA: its adapters); ``None`` (the default) when it trains nothing of its own.
+
+        A reference policy (:mod:`xtl.train.reference`) uses these views instead of a second copy of the model.
+        """
+        return None
+
+    def weight_files(self) -> list[Path]:
+        """Files the transform loads weights from besides the model's (LoRA: a PEFT adapter it continues from), for
+        fingerprints of what a model computes (e.g. the key of a precomputed reference); default: none."""
+        return []
 
     def export_hf(self, model: BaseModel, request: HFExportRequest) -> list[Path] | None:
         """Write an HF export the transform changes (e.g. LoRA: merged weights or a PEFT adapter).
@@ -114,6 +129,27 @@ class HFExportRequest:
     write_model: Callable[[Path, Callable[[str, torch.Tensor], torch.Tensor] | None], None]
 
 
+@dataclass(frozen=True)
+class ReferenceViews:
+    """What a model transform offers a reference policy: contexts in which the transformed model computes without
+    the parts the transform trains, or with those parts as they were before training (no second copy of the model).
+
+    Attributes:
+        start: A context in which the model computes the starting policy (LoRA: the adapters as they were loaded, or
+            off when they started fresh).
+        base: A context in which the model computes without the transform's parts (LoRA: adapters off).
+        base_is_start: Whether ``base`` is the starting policy (LoRA: the adapters started fresh, ``B = 0``).
+        why_base_is_not_start: When it is not, why, naming the setting (e.g. ``LoRA.adapter_path``).
+        describe_start: What ``start`` computes, for logs.
+    """
+
+    start: Callable[[], AbstractContextManager[None]]
+    base: Callable[[], AbstractContextManager[None]]
+    base_is_start: bool
+    why_base_is_not_start: str = ""
+    describe_start: str = "the starting policy"
+
+
 @dataclass
 class WeightSource:
     """Where the weights come from once the model is distributed.
@@ -122,11 +158,13 @@ class WeightSource:
         hf_dir: HF directory to load with ``from_hf``; ``None`` initializes from ``seed``.
         seed: Seed of ``init_weights`` (each parameter derives its own seed from it and its name).
         dtype: Parameter dtype when the strategy does not manage precision itself.
+        adapter_dir: A PEFT LoRA adapter merged into the loaded weights (a frozen reference model of its own).
     """
 
     hf_dir: Path | None = None
     seed: int = 0
     dtype: torch.dtype = torch.float32
+    adapter_dir: Path | None = None
 
 
 class ParallelizingStrategy(ABC):
@@ -169,6 +207,8 @@ class ParallelizingStrategy(ABC):
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(weights.seed)
                 model.init_weights()
+        if weights.adapter_dir is not None:
+            merge_peft_adapter(model, weights.adapter_dir)
         model = self.apply_param_dtype(model, weights.dtype)
         for transform in sorted(transforms, key=lambda t: t.transform_stage):
             model = transform.after_weights(model)
@@ -184,6 +224,24 @@ class ParallelizingStrategy(ABC):
         for module in model.attention_modules():
             module.use_context_parallel(group)
         return model
+
+    @contextmanager
+    def whole_sequences(self, model: BaseModel) -> Iterator[None]:
+        """Within the block every rank attends whole sequences of its own (decoding, which cannot split a sequence
+        over ranks): the attention modules leave their context-parallel group and rejoin it after. A no-op without
+        context parallelism. Parameters stay sharded: the ranks still decode in step."""
+        if self.meshes.cp_group() is None:
+            yield
+            return
+        modules = model.attention_modules()
+        saved = [(module.context_group, module.context_parallel_method) for module in modules]
+        for module in modules:
+            module.context_group, module.context_parallel_method = None, None
+        try:
+            yield
+        finally:
+            for module, (group, method) in zip(modules, saved):
+                module.context_group, module.context_parallel_method = group, method
 
     def apply_expert_parallel(self, model: BaseModel) -> BaseModel:
         """Split routed experts over the expert-parallel ranks (default: every expert stays on every rank)."""

@@ -6,7 +6,7 @@ import json
 import math
 import sys
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -24,12 +24,13 @@ from xtl.data.item import IGNORE_INDEX
 from xtl.data.packing import Pack
 from xtl.errors import ConfigError, did_you_mean
 from xtl.model import BaseModel, ModelOutput
-from xtl.module.lora import lora_layers
 from xtl.strategies.parallelize import ModelTransform, ParallelizingStrategy, SingleDevice, WeightSource
 from xtl.train.family import DataRanks, RouterTraining, family_of, family_training
 from xtl.train.generation import GenerationConfig, chat_prompt_ids, generate, split_thinking
 from xtl.train.model_spec import resolve_model_config
 from xtl.train.optim import AdamWConfig, OptimizerConfig, ScheduleConfig
+from xtl.train.reference import ReferencePolicy
+from xtl.train.scorer import score_tokens
 from xtl.train.step import (
     StepResult,
     StepWindow,
@@ -118,6 +119,7 @@ class LanguageModule(pl.LightningModule):
         self.optimizer_config = optimizer
         self.schedule = schedule
         self.model: BaseModel | None = None
+        self.reference: ReferencePolicy | None = None  # objectives that compare with one set it
         self._skipped = torch.zeros(())
         self._tokens_seen = torch.zeros((), dtype=torch.float64)
         self._skipped_warned = 0
@@ -141,34 +143,28 @@ class LanguageModule(pl.LightningModule):
         self.model = self.parallelizer.parallelize(model, self._transforms, weights)
         self._freeze_parts()
         skipped = {f"model.{key}" for t in self._transforms for key in t.skipped_checkpoint_keys(self.model)}
+        if self.reference is not None:
+            self.reference.build(self)
+            skipped |= self.reference.skipped_checkpoint_keys("reference.")
         if skipped:  # e.g. LoRA's base: checkpoints hold the trained weights only, the rest comes from the source
             self.strict_loading = False
             self.register_state_dict_post_hook(partial(_drop_keys, keys=skipped))
 
-    def build_frozen_copy(self) -> BaseModel:
-        """A frozen copy of the starting weights (a reference model), built by the same ``parallelize`` sequence
-        (sharded like the policy), without the run's model transforms, in eval mode."""
+    def build_frozen_copy(self, transforms: Sequence[ModelTransform] = ()) -> BaseModel:
+        """A frozen copy of the starting policy (a reference model): built from the policy's weights by the same
+        ``parallelize`` sequence (sharded like the policy) with ``transforms`` (the run's model transforms that shape
+        what the policy computes), without gradient, in eval mode."""
         with torch.device("meta"):
             reference = self.model_config.build()
         weights = WeightSource(self.hf_dir, self.hparams.seed, getattr(torch, self.hparams.param_dtype))
-        reference = self.parallelizer.parallelize(reference, [], weights)
+        reference = self.parallelizer.parallelize(reference, list(transforms), weights)
         reference.requires_grad_(False)
         return reference.eval()
 
-    def build_reference(self, mode: str) -> list[BaseModel]:
-        """The reference model an objective's ``reference`` mode needs, in a list (kept out of the module's
-        children): ``live`` a frozen copy (:meth:`build_frozen_copy`); ``adapters_off`` (the policy with its LoRA
-        adapters off) and the others none.
-
-        Raises:
-            ConfigError: ``adapters_off`` for a model without LoRA adapters.
-        """
-        if mode == "adapters_off" and not any(True for _ in lora_layers(self.model)):
-            raise ConfigError(
-                "model.init_args.reference: adapters_off needs LoRA adapters: add --config callbacks/lora.yaml, "
-                "or use reference: live"
-            )
-        return [self.build_frozen_copy()] if mode == "live" else []
+    @property
+    def model_transforms(self) -> list[ModelTransform]:
+        """The model transforms the run's callbacks contribute (found by :meth:`configure_model`)."""
+        return list(self._transforms)
 
     @property
     def parallelizer(self) -> ParallelizingStrategy:
@@ -332,6 +328,8 @@ class LanguageModule(pl.LightningModule):
             behaviour.after_optimizer_step(self.model, result.outputs, applied, self._data_ranks())
         for transform in self._transforms:
             transform.after_optimizer_step(self.model, applied)
+        if self.reference is not None:
+            self.reference.after_optimizer_step(self.model, self.global_step)
 
     # ---- validation, test, predict ---------------------------------------------------------------------------
 
@@ -540,14 +538,12 @@ class LanguageModule(pl.LightningModule):
     def _eval_step(self, sets: nn.ModuleDict, batch: list[Any], dataloader_idx: int) -> None:
         metrics = self._metrics_for(sets, dataloader_idx)
         for mb, real in self.eval_micro_batches(batch):
-            out = self.model(seq_ctx=mb.seq_ctx, labels=mb.labels, return_logits=True)
+            scores = score_tokens(self.model, mb.seq_ctx, mb.labels, greedy=True)
             if not real:
                 continue
-            mask = mb.labels != -100
-            correct = ((out.logits.argmax(-1) == mb.labels) & mask).sum()
-            metrics["loss_sum"].update(out.loss_sum.detach().float())
-            metrics["tokens"].update(out.num_tokens.float())
-            metrics["correct"].update(correct.float())
+            metrics["loss_sum"].update(-scores.logps.detach().sum())
+            metrics["tokens"].update(scores.scored.sum().float())
+            metrics["correct"].update(scores.greedy.sum().float())
         if not batch:  # keep collective calls aligned when a rank has no eval packs left
             for metric in metrics.values():
                 metric.update(torch.zeros((), device=self.device))

@@ -3,10 +3,10 @@
 A preference micro-batch is an ordinary packed :class:`~xtl.data.collate.MicroBatch` whose documents alternate
 chosen, rejected, chosen, rejected (pair ``k`` = documents ``2k`` and ``2k + 1``; ``kind: preference`` sources,
 ``docs/data.md``), labels on the responses only. One forward of the policy gives every response's summed
-log-probability (:func:`sequence_logps`); the reference's come from a frozen copy of the starting weights, sharded
-like the policy (``reference: live``), or, under LoRA, from the same model with its adapters off (``adapters_off``:
-no second copy), or from a table computed once before training and cached with the data (``precomputed``,
-:mod:`xtl.train.reference_cache`); SimPO and ORPO need none. The loss (:mod:`xtl.train.preference_loss`) is
+log-probability (:func:`~xtl.train.scorer.score_tokens`, :func:`sequence_logps`); the reference's come from the
+objective's :class:`~xtl.train.reference.ReferencePolicy` (the starting policy, frozen: a copy, or under LoRA the
+policy with its starting adapters; a separate model; or a table computed once before training and cached with the
+data, :mod:`xtl.train.reference_tables`); SimPO and ORPO need none. The loss (:mod:`xtl.train.preference_loss`) is
 normalized over the pairs (and, for its NLL term, the chosen tokens) of the whole step, over micro-batches and
 data-parallel ranks.
 
@@ -19,13 +19,8 @@ losses do not depend on how its packs are spread over data-parallel ranks.
 
 from __future__ import annotations
 
-import dataclasses
-import gc
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
-from pathlib import Path
-from typing import Any, Literal
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,32 +30,17 @@ from torch import nn
 
 from xtl.batch import ModelOutput
 from xtl.data.collate import MicroBatch
-from xtl.data.datamodule import PackedSplit, XTLDataModule
+from xtl.data.datamodule import XTLDataModule
 from xtl.data.item import IGNORE_INDEX
 from xtl.data.preference import PREFERENCE_KIND
-from xtl.data.sources import FileHashMemo
 from xtl.data.unpaired import UNPAIRED_KIND
 from xtl.errors import ConfigError
-from xtl.model import BaseModel
-from xtl.module.lora import adapters_disabled, lora_layers
-from xtl.strategies.parallelize import TransformStage
 from xtl.train.base import LanguageModule
 from xtl.train.preference_loss import UNPAIRED, PairTerms, PreferenceLoss, SequenceLogps
-from xtl.train.reference_cache import (
-    ReferenceForward,
-    ReferenceTable,
-    compute_reference_table,
-    load_reference_table,
-    pair_offsets,
-    reference_key,
-    reference_table_path,
-    save_reference_table,
-    weights_fingerprint,
-)
+from xtl.train.reference import ReferenceConfig, ReferenceMode, ReferencePolicy, reference_config
+from xtl.train.reference_tables import TRAIN_SET, PrecomputedReference
+from xtl.train.scorer import TokenScores, context_sum, document_sums, score_tokens
 from xtl.train.step import global_token_count
-
-ReferenceMode = Literal["auto", "live", "adapters_off", "precomputed", "none"]
-TRAIN_SET = "train"
 
 
 def pair_count(batch: MicroBatch) -> int:
@@ -69,39 +49,26 @@ def pair_count(batch: MicroBatch) -> int:
 
 
 def sequence_logps(
-    output: ModelOutput, batch: MicroBatch, group: dist.ProcessGroup | None = None
+    scores: TokenScores, batch: MicroBatch, group: dist.ProcessGroup | None = None
 ) -> tuple[SequenceLogps, torch.Tensor]:
     """Each response's summed log-probability and token count, and the chosen responses' summed cross-entropy.
 
     Args:
-        output: The model's output with ``token_losses`` (``return_token_losses=True``).
-        batch: The preference micro-batch it ran on (a context-parallel share: its positions are those of the whole
-            pack from ``seq_ctx.share_start`` on).
+        scores: The model's scores of the micro-batch (:func:`~xtl.train.scorer.score_tokens`).
+        batch: The preference micro-batch they were computed on (a context-parallel share: its positions are those
+            of the whole pack from ``seq_ctx.share_start`` on).
         group: The context-parallel group whose shares hold the rest of the pack (``None``: the whole pack is here).
-            The per-response sums are all-reduced over it (differentiably, so each share's tokens get their
-            gradient); the cross-entropy sum stays this share's.
+            The per-response sums are summed over it (differentiably, :func:`~xtl.train.scorer.document_sums`); the
+            cross-entropy sum stays this share's.
 
     Returns:
         ``(SequenceLogps, nll_sum)``, with gradient.
     """
-    ctx, pairs = batch.seq_ctx, pair_count(batch)
-    losses = output.token_losses
-    positions = output.token_positions
-    if positions is None:
-        positions = torch.arange(losses.numel(), device=losses.device)
-    targets = batch.labels[0].to(losses.device).index_select(0, positions)
-    supervised = targets != IGNORE_INDEX
-    ends = ctx.cu_seq_lens[1:].to(losses.device, torch.long)
-    document = torch.searchsorted(ends, positions + ctx.share_start, right=True).clamp(max=2 * pairs)  # padding: 1 bin
-    logps = torch.zeros(2 * pairs + 1, dtype=losses.dtype, device=losses.device)
-    logps = logps.index_add(0, document, -losses * supervised)
-    counts = torch.zeros(2 * pairs + 1, device=losses.device).index_add(0, document, supervised.float())
-    logps, counts = logps[: 2 * pairs], counts[: 2 * pairs]
-    nll_sum = -logps[0::2].sum()
-    if group is not None:
-        logps = _AllReduceSum.apply(logps, group)
-        counts = counts.clone()
-        dist.all_reduce(counts, group=group)
+    docs = 2 * pair_count(batch)
+    share = document_sums(scores.logps, scores.positions, batch.seq_ctx, docs)
+    nll_sum = -share[0::2].sum()
+    logps = context_sum(share, group)
+    counts = document_sums(scores.scored.float(), scores.positions, batch.seq_ctx, docs, group)
     return SequenceLogps(logps[0::2], logps[1::2], counts[0::2], counts[1::2]), nll_sum
 
 
@@ -117,18 +84,18 @@ class PreferenceModule(LanguageModule):
     Args:
         model: As :class:`~xtl.train.LanguageModule` (typically the SFT run's HF export).
         objective: The preference loss and its settings.
-        reference: Where the reference log-probabilities come from: ``live`` (a frozen copy of the starting weights,
-            sharded like the policy), ``adapters_off`` (the trained model with its LoRA adapters off; needs
-            ``callbacks/lora.yaml``), ``precomputed`` (a table of every pair's, computed once before the first step
-            from the starting weights and cached with the data: no reference forward while training; see
-            :meth:`on_train_start`), ``none`` (SimPO, ORPO) or ``auto`` (``none`` when the loss needs no reference,
-            else ``adapters_off`` under LoRA, else ``live``).
+        reference: Where the reference log-probabilities come from (:class:`~xtl.train.reference.ReferenceConfig`, or
+            a mode name): ``auto`` (``none`` when the loss needs no reference, ``adapters_off`` under fresh LoRA
+            adapters, else ``live``), ``live`` (the starting policy, frozen: a copy sharded like the policy, or under
+            LoRA the policy with its starting adapters), ``adapters_off`` (the model with its fresh LoRA adapters
+            off), ``precomputed`` (a table of every pair's, computed once before the first step from the starting
+            policy and cached with the data: no reference forward while training), ``model`` (a separate model) or
+            ``none`` (SimPO, ORPO); with ``sync_every``, TR-DPO's periodic sync.
         **kwargs: The other arguments of :class:`~xtl.train.LanguageModule`.
 
     Raises:
-        ConfigError: A reference mode the loss or the run cannot use; ``precomputed`` with context parallelism or
-            without an :class:`~xtl.data.XTLDataModule`; data of the other kind (pairs for KTO, unpaired rows for
-            a paired loss).
+        ConfigError: A reference mode the loss or the run cannot use; ``precomputed`` without an
+            :class:`~xtl.data.XTLDataModule`; data of the other kind (pairs for KTO, unpaired rows for a paired loss).
     """
 
     trains_mtp = False  # multi-token prediction belongs to next-token training
@@ -137,74 +104,39 @@ class PreferenceModule(LanguageModule):
         self,
         model: str | dict[str, Any],
         objective: PreferenceLoss = PreferenceLoss(),
-        reference: ReferenceMode = "auto",
+        reference: ReferenceMode | ReferenceConfig = "auto",
         **kwargs: Any,
     ) -> None:
         super().__init__(model, **kwargs)
         self.objective = objective
-        self.reference_mode = reference
-        if reference == "none" and objective.needs_reference:
-            raise ConfigError(
-                f"model.init_args.reference: none, but loss_type {objective.loss_type!r} compares with a reference; "
-                "use auto, live, adapters_off or precomputed (or a reference-free loss: simpo, orpo)"
-            )
-        if reference == "precomputed" and not objective.needs_reference:
-            raise ConfigError(
-                f"model.init_args.reference: precomputed, but loss_type {objective.loss_type!r} uses no reference; "
-                "use reference: auto or none"
-            )
-        self._reference: list[BaseModel] = []  # a list: not a submodule (no optimizer state, not in checkpoints)
-        self._tables: dict[str, ReferenceTable] = {}  # precomputed: set ("train", "val/<idx>") -> table, on device
+        self.reference = ReferencePolicy(reference_config(reference), objective.needs_reference)
+        self.precomputed = PrecomputedReference(self, _pair_logps, code=(sequence_logps, score_tokens))
 
     # ---- model -----------------------------------------------------------------------------------------------
 
-    def configure_model(self) -> None:
-        """Build the policy (:meth:`LanguageModule.configure_model`), then the reference the mode asks for."""
-        if self.model is not None:
-            return
-        super().configure_model()
-        self._reference = self.build_reference(self.resolved_reference)
-
     def on_fit_start(self) -> None:
         """Say which objective and reference train."""
-        objective, mode = self.objective, self.resolved_reference
-        what = {"live": "a frozen copy of the starting weights, sharded like the policy",
-                "adapters_off": "the model with its LoRA adapters off",
-                "precomputed": "the starting weights' log-probabilities, computed once and cached with the data",
-                "none": "none needed"}[mode]  # fmt: skip
+        objective, reference = self.objective, self.reference
         rank_zero_info(
-            f"xtl preference: loss {objective.loss_type} (beta {objective.beta}), reference: {mode} ({what})"
+            f"xtl preference: loss {objective.loss_type} (beta {objective.beta}), reference: {reference.mode} "
+            f"({reference.describe()})"
         )
 
     def on_train_start(self) -> None:
         """``reference: precomputed``: have the reference table of the training set and of each validation set
-        before the first step (:meth:`_prepare_reference_tables`), then start the throughput window."""
-        self._prepare_reference_tables()
+        before the first step (:meth:`PrecomputedReference.prepare`), then start the throughput window."""
+        if self.reference.mode == "precomputed":
+            self.precomputed.prepare()
         super().on_train_start()
 
     def on_validation_start(self) -> None:
         """``reference: precomputed``: the tables, if no training step came first (the sanity check, ``validate``)."""
-        self._prepare_reference_tables()
-
-    @property
-    def resolved_reference(self) -> str:
-        """The reference mode in effect (``auto`` resolved; adapters are seen once the model is built)."""
-        if self.reference_mode != "auto":
-            return self.reference_mode
-        if not self.objective.needs_reference:
-            return "none"
-        lora = self.model is not None and any(True for _ in lora_layers(self.model))
-        return "adapters_off" if lora else "live"
+        if self.reference.mode == "precomputed":
+            self.precomputed.prepare()
 
     def setup(self, stage: str) -> None:
-        """Refuse precomputed references under context parallelism (the one pass forwards whole packs per rank), and
-        data of the kind the objective does not train on."""
+        """Refuse data of the kind the objective does not train on."""
         super().setup(stage)
-        if self.parallelizer.layout.cp > 1 and self.reference_mode == "precomputed":
-            raise ConfigError(
-                "model.init_args.reference: precomputed computes whole packs on each data-parallel rank; with "
-                "trainer.strategy.init_args.context_parallel_size > 1 use reference: live (or adapters_off)"
-            )
         datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
         if isinstance(datamodule, XTLDataModule):
             self._check_data_kinds(datamodule)
@@ -212,11 +144,26 @@ class PreferenceModule(LanguageModule):
     # ---- training --------------------------------------------------------------------------------------------
 
     def training_step(self, batch: list[Any], batch_idx: int) -> torch.Tensor:
-        """One optimizer step over this rank's preference micro-batches.
+        """One optimizer step over this rank's preference micro-batches (:meth:`step_objective`)."""
+        forward, sums = self.step_objective(batch)
+        result = self.optimizer_step_over(batch, forward, pair_count)
+        keys = self.objective.metric_sums
+        totals = self._sum_over_data_ranks(torch.stack([sum(s[k] for s in sums) for k in keys]))
+        means = self.objective.metric_means(dict(zip(keys, totals)), result.global_tokens)
+        self.log_step_metrics({f"train/{k}": v for k, v in means.items()})
+        return result.loss_sum / result.global_tokens.clamp(min=1)
+
+    def step_objective(
+        self, batch: list[MicroBatch]
+    ) -> tuple[Callable[[MicroBatch], ModelOutput], list[dict[str, torch.Tensor]]]:
+        """The objective of one step: a micro-batch's forward, whose ``loss_sum`` the step divides by the step's
+        pairs (:func:`pair_count`, over micro-batches and data-parallel ranks), and the list its metric sums are
+        appended to.
 
         Each micro-batch adds ``sum of pair losses / P + nll_weight * chosen NLL sum / N`` (``P`` pairs and ``N``
         chosen response tokens of the whole step, all data-parallel ranks) to the loss, so the gradient does not
-        depend on how pairs are split into micro-batches and ranks.
+        depend on how pairs are split into micro-batches and ranks. Under context parallelism every rank of a group
+        holds the whole pack's pair terms (and counts its pairs), and its share's NLL tokens.
         """
         group = self.parallelizer.data_group()
         chosen_tokens = global_token_count(sum(_chosen_tokens(mb) for mb in batch), self.device, group)
@@ -230,12 +177,7 @@ class PreferenceModule(LanguageModule):
             loss_sum = terms.loss_sum + self.objective.nll_weight * terms.nll_sum * ratio
             return ModelOutput(loss_sum=loss_sum, num_tokens=None, extras=output.extras)
 
-        result = self.optimizer_step_over(batch, forward, pair_count)
-        keys = self.objective.metric_sums
-        totals = self._sum_over_data_ranks(torch.stack([sum(s[k] for s in sums) for k in keys]))
-        means = self.objective.metric_means(dict(zip(keys, totals)), result.global_tokens)
-        self.log_step_metrics({f"train/{k}": v for k, v in means.items()})
-        return result.loss_sum / result.global_tokens.clamp(min=1)
+        return forward, sums
 
     # ---- validation ------------------------------------------------------------------------------------------
 
@@ -275,10 +217,11 @@ class PreferenceModule(LanguageModule):
     # ---- private ---------------------------------------------------------------------------------------------
 
     def _filler_forwards(self, mb: MicroBatch) -> None:
-        """The forwards of a micro-batch without pairs: the policy, and the live reference when there is one."""
+        """The forwards of a micro-batch without pairs: the policy, and the reference when it computes."""
         self.model(seq_ctx=mb.seq_ctx, labels=mb.labels, return_logits=False)
-        if self.resolved_reference == "live":
-            self._reference[0](seq_ctx=mb.seq_ctx, labels=mb.labels, return_logits=False)
+        if self.reference.computes_live:
+            with self.reference.computing(self.model) as reference:
+                reference(seq_ctx=mb.seq_ctx, labels=mb.labels, return_logits=False)
 
     def _pair_terms(self, mb: MicroBatch, dataset: str = TRAIN_SET) -> tuple[ModelOutput, PairTerms, SequenceLogps]:
         """The policy's output, the pair terms of one micro-batch and the policy's log-probabilities (the
@@ -289,178 +232,21 @@ class PreferenceModule(LanguageModule):
         if unpaired != (mb.doc_tags is not None):
             raise ConfigError(_kind_mismatch(self.objective.loss_type, "this micro-batch's"))
         group = self.parallelizer.meshes.cp_group()
-        output = self.model(seq_ctx=mb.seq_ctx, labels=mb.labels, return_logits=False, return_token_losses=True)
-        policy, nll_sum = sequence_logps(output, mb, group)
+        scores = score_tokens(self.model, mb.seq_ctx, mb.labels)
+        policy, nll_sum = sequence_logps(scores, mb, group)
         reference = None
-        mode = self.resolved_reference
-        if mode == "precomputed":
-            if dataset not in self._tables:
-                raise RuntimeError(f"reference: precomputed, but no reference table was prepared for {dataset}")
-            chosen, rejected = self._tables[dataset].lookup(mb.pack_index, pair_count(mb))
+        if self.reference.mode == "precomputed":
+            chosen, rejected = self.precomputed.lookup(dataset, mb.pack_index, pair_count(mb))
             reference = SequenceLogps(chosen, rejected, policy.chosen_tokens, policy.rejected_tokens)
-        elif mode != "none":
-            with torch.no_grad():
-                if mode == "live":
-                    ref_model = self._reference[0]
-                    ref_out = ref_model(seq_ctx=mb.seq_ctx, labels=mb.labels, return_logits=False,
-                                        return_token_losses=True)  # fmt: skip
-                else:
-                    with adapters_disabled(self.model):
-                        ref_out = self.model(seq_ctx=mb.seq_ctx, labels=mb.labels, return_logits=False,
-                                             return_token_losses=True)  # fmt: skip
-                reference, _ = sequence_logps(ref_out, mb, group)
+        elif self.reference.computes_live:
+            with self.reference.computing(self.model) as model:
+                reference, _ = sequence_logps(score_tokens(model, mb.seq_ctx, mb.labels), mb, group)
+        output = ModelOutput(extras=scores.extras)
         if not unpaired:
             return output, self.objective.terms(policy, reference, nll_sum), policy
         labels = torch.tensor(mb.doc_tags[0 : 2 * pair_count(mb) : 2], dtype=torch.bool, device=self.device)
         kl = self.objective.kl_point(policy, reference) if self.objective.loss_type == "kto" else None
         return output, self.objective.terms(policy, reference, nll_sum, labels, kl), policy
-
-    def _prepare_reference_tables(self) -> None:
-        """``reference: precomputed``: read or compute the reference table of every preference set of the run.
-
-        The sets are the training set (when fitting) and each validation set, all prepared at once, before the
-        first step. A table found under ``<cache_dir>/reference`` with its key (reference weights, model config,
-        numerics, data, code: :mod:`xtl.train.reference_cache`) by every rank is read; otherwise every rank takes
-        part in one pass without gradient (each data-parallel rank forwards its share of the packs, the shares are
-        gathered so that every rank holds the whole table), and local rank 0 stores it. The reference is the
-        starting weights: under LoRA the model with its adapters off (its base never trains); otherwise the policy
-        itself before its first step, and, on a run resumed from a checkpoint (the policy has moved), a frozen copy
-        built as ``reference: live`` builds it, released after the pass.
-
-        Raises:
-            ConfigError: The run's data is not an :class:`~xtl.data.XTLDataModule`.
-        """
-        if self.resolved_reference != "precomputed":
-            return
-        datamodule = getattr(self.trainer, "datamodule", None)
-        if not isinstance(datamodule, XTLDataModule):
-            raise ConfigError(
-                "model.init_args.reference: precomputed reads the pairs from xtl.data.XTLDataModule (the data: "
-                "section of the recipe); with other data use reference: live"
-            )
-        datamodule.setup()
-        sets: dict[str, PackedSplit] = {}
-        if self.trainer.state.fn == "fit" and datamodule.train_split is not None:
-            sets[TRAIN_SET] = datamodule.train_split
-        for index, name in enumerate(datamodule.val_set_names):
-            sets[f"val/{index}"] = datamodule.val_splits[name]
-        missing = {name: split for name, split in sets.items() if split.pairs and name not in self._tables}
-        if missing:
-            keys = self._reference_keys(datamodule, missing)
-            to_compute = self._read_reference_tables(missing, keys, datamodule.cache_dir)
-            if to_compute:
-                self._compute_reference_tables(datamodule, {name: missing[name] for name in to_compute}, keys)
-
-    def _reference_keys(self, datamodule: XTLDataModule, sets: dict[str, PackedSplit]) -> dict[str, str]:
-        """The cache key of each set's table: reference weights, model config, numerics, data, code."""
-        memo = FileHashMemo(datamodule.cache_dir / "fingerprints")
-        weights = weights_fingerprint(self.hf_dir, self.hparams.seed, memo) if self.global_rank == 0 else None
-        common = {
-            "weights": self.trainer.strategy.broadcast(weights, src=0),  # one rank reads the weights' files
-            "model": dataclasses.asdict(self.model_config),
-            "param_dtype": self.hparams.param_dtype,
-            "precision": str(self.trainer.precision),
-            "device": self.device.type,
-            "transforms": [_describe(t) for t in self._transforms if t.transform_stage == TransformStage.MODEL],
-            "pad_to": datamodule.pack_max_length if datamodule.pad_to_max_length else None,
-        }
-        return {
-            name: reference_key({**common, "data": split.key}, code=(sequence_logps,)) for name, split in sets.items()
-        }
-
-    def _read_reference_tables(self, sets: dict[str, PackedSplit], keys: dict[str, str], cache_dir: Path) -> list[str]:
-        """Take the stored tables every rank finds (a sharded forward needs every rank: all read or all compute);
-        returns the sets left to compute."""
-        stored = {
-            name: load_reference_table(reference_table_path(cache_dir, keys[name]), keys[name], pair_offsets(s.plan))
-            for name, s in sets.items()
-        }
-        everywhere = torch.tensor([float(table is not None) for table in stored.values()], device=self.device)
-        group = self.parallelizer.data_group()
-        if group is not None:
-            dist.all_reduce(everywhere, op=dist.ReduceOp.MIN, group=group)
-        left = []
-        for (name, table), found in zip(stored.items(), everywhere.tolist()):
-            if table is None or not found:
-                left.append(name)
-                continue
-            self._tables[name] = table.to(self.device)
-            rank_zero_info(
-                f"xtl preference: reference log-probabilities of {self._reference_set_name(name)} "
-                f"({table.num_pairs} pairs) read from {reference_table_path(cache_dir, keys[name])}"
-            )
-        return left
-
-    def _compute_reference_tables(
-        self, datamodule: XTLDataModule, sets: dict[str, PackedSplit], keys: dict[str, str]
-    ) -> None:
-        """One pass over the packs of ``sets`` without gradient, sharded over the data-parallel ranks (every rank
-        ends with the whole tables); local rank 0 stores them."""
-        layout, group = self.parallelizer.layout, self.parallelizer.data_group()
-        rank, world = layout.data_rank(self.global_rank), layout.dp_size
-        collator, precision = datamodule.collator(), self.trainer.precision_plugin
-        with self._reference_forward() as (forward, source):
-            for name, split in sets.items():
-                start = time.perf_counter()
-                context = precision.train_step_context() if name == TRAIN_SET else precision.val_step_context()
-                with context:  # the autocast of the step that reads the table, as the live reference runs under
-                    table = compute_reference_table(
-                        split.packs,
-                        pair_offsets(split.plan),
-                        lambda pack: collator([pack])[0],
-                        forward,
-                        rank=rank,
-                        world_size=world,
-                        group=group,
-                        device=self.device,
-                    )
-                self._tables[name] = table
-                path = reference_table_path(datamodule.cache_dir, keys[name])
-                if self.trainer.local_rank == 0:
-                    info = {"set": self._reference_set_name(name), "pairs": table.num_pairs}
-                    try:
-                        save_reference_table(path, table, keys[name], info)
-                    except OSError as err:  # a read-only cache folder: computed again next time
-                        rank_zero_info(f"xtl preference: cannot store the reference table in {path} ({err})")
-                rank_zero_info(
-                    f"xtl preference: reference log-probabilities of {self._reference_set_name(name)} "
-                    f"({table.num_pairs} pairs, {len(split.plan)} packs on {world} rank(s), from {source}) computed "
-                    f"in {time.perf_counter() - start:.1f} s, stored in {path}"
-                )
-
-    @contextmanager
-    def _reference_forward(self) -> Iterator[tuple[ReferenceForward, str]]:
-        """The forward that computes reference log-probabilities for a table, without gradient, in eval mode (as
-        the live reference), and what it runs."""
-        temporary: BaseModel | None = None
-        context: Any = nullcontext()
-        resumed = self._trainer is not None and self._trainer.ckpt_path is not None
-        if any(True for _ in lora_layers(self.model)):
-            model, source, context = self.model, "the model with its LoRA adapters off", adapters_disabled(self.model)
-        elif not resumed and self.global_step == 0:
-            model, source = self.model, "the policy before its first step"
-        else:
-            temporary = model = self.build_frozen_copy()
-            source = "a copy of the starting weights, the resumed policy has moved"
-        modes = [(module, module.training) for module in model.modules()]
-        model.eval()
-
-        def forward(mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
-            out = model(seq_ctx=mb.seq_ctx, labels=mb.labels, return_logits=False, return_token_losses=True)
-            logps, _ = sequence_logps(out, mb)
-            return logps.chosen, logps.rejected
-
-        try:
-            with context, torch.no_grad():
-                yield forward, source
-        finally:
-            for module, training in modes:
-                module.training = training
-            if temporary is not None:
-                del model, temporary, modes
-                gc.collect()
-                if self.device.type == "cuda":
-                    torch.cuda.empty_cache()
 
     def _check_data_kinds(self, datamodule: XTLDataModule) -> None:
         """Refuse sets of the kind the objective does not train on (a chat set, pairs for KTO, rows for DPO)."""
@@ -472,9 +258,6 @@ class PreferenceModule(LanguageModule):
             if other:
                 raise ConfigError(_kind_mismatch(self.objective.loss_type, f"{key} has kind: {other[0]};"))
 
-    def _reference_set_name(self, name: str) -> str:
-        return name if name == TRAIN_SET else f"val set {self._set_name('val', int(name.split('/')[1]))}"
-
     def _preference_metrics(self, sets: nn.ModuleDict, dataloader_idx: int) -> nn.ModuleDict:
         key = str(dataloader_idx)
         if key not in sets:
@@ -483,28 +266,12 @@ class PreferenceModule(LanguageModule):
         return sets[key]
 
 
-def _describe(transform: Any) -> dict[str, Any]:
-    """A model transform's class and plain settings (what may change the reference's numerics), for cache keys."""
-    plain = (str, int, float, bool, type(None), list, tuple)
-    settings = {k: v for k, v in vars(transform).items() if not k.startswith("_") and isinstance(v, plain)}
-    return {"class": f"{type(transform).__module__}.{type(transform).__qualname__}", **settings}
-
-
-class _AllReduceSum(torch.autograd.Function):
-    """Sum over a process group; the gradient of each rank's input is the sum of every rank's output gradient."""
-
-    @staticmethod
-    def forward(ctx, tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # noqa: ANN001
-        ctx.group = group
-        out = tensor.clone()
-        dist.all_reduce(out, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # noqa: ANN001
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
+def _pair_logps(
+    model: nn.Module, mb: MicroBatch, group: dist.ProcessGroup | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chosen and rejected summed log-probabilities of a micro-batch's pairs (a precomputed table's rows)."""
+    logps, _ = sequence_logps(score_tokens(model, mb.seq_ctx, mb.labels), mb, group)
+    return logps.chosen, logps.rejected
 
 
 def _kind_mismatch(loss_type: str, found: str) -> str:

@@ -150,6 +150,7 @@ def compute_reference_table(
     world_size: int = 1,
     group: Any = None,
     device: torch.device | str = "cpu",
+    contributes: bool = True,
 ) -> ReferenceTable:
     """Compute the table of one set in one pass, this rank's share of the packs, then sum over the data group.
 
@@ -164,8 +165,11 @@ def compute_reference_table(
         forward: Micro-batch -> the reference's chosen and rejected log-probabilities ``(P,)`` each.
         rank: This rank's data-parallel rank.
         world_size: Data-parallel ranks.
-        group: The data-parallel process group (``None``: no sum, this rank's share only).
+        group: The process group the shares are summed over (every rank of the data-parallel ranks' context-parallel
+            groups; ``None``: no sum, this rank's share only).
         device: Where the table is computed.
+        contributes: Whether this rank's results enter the sum (one rank of each context-parallel group: every rank
+            of a group computes the same whole pairs).
 
     Returns:
         ReferenceTable: The whole table on every rank (with ``group``).
@@ -178,7 +182,7 @@ def compute_reference_table(
     for step in range(-(-num_packs // world_size)):
         index = rank + step * world_size
         chosen, rejected = forward(collate(packs[index % num_packs]).to(device))
-        if index >= num_packs:  # a repeat that keeps this rank's forwards equal to the others'
+        if index >= num_packs or not contributes:  # a repeat (equal forwards on every rank), or a second share
             continue
         start, end = int(offsets[index]), int(offsets[index + 1])
         if chosen.numel() != end - start or rejected.numel() != end - start:

@@ -242,6 +242,66 @@ def load_peft_adapter(model: BaseModel, adapter_dir: str | Path) -> None:
         raise CheckpointMismatchError("\n".join(lines))
 
 
+def merge_peft_adapter(model: BaseModel, adapter_dir: str | Path) -> int:
+    """Merge a PEFT LoRA adapter into the weights of ``model`` (which has no LoRA layers of its own): each adapted
+    linear layer's weight becomes ``W + scaling * B @ A`` (fp32 math, cast back to ``W``'s dtype), as PEFT's
+    ``merge_and_unload`` computes it. Under torch.distributed every rank calls it (sharded weights are gathered one at
+    a time) and keeps its shard.
+
+    Args:
+        model: The model, weights loaded.
+        adapter_dir: The adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``).
+
+    Returns:
+        The number of merged layers.
+
+    Raises:
+        ConfigError: The adapter's config is missing or unsupported, or it targets no linear layer of ``model``.
+        CheckpointMismatchError: Factors missing, unexpected or of the wrong shape.
+    """
+    adapter_dir = Path(adapter_dir)
+    config = read_adapter_config(adapter_dir)
+    rank, alpha = config["r"], config["lora_alpha"]
+    scaling = alpha / rank**0.5 if config.get("use_rslora") else alpha / rank
+    path = adapter_dir / ADAPTER_WEIGHTS
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist")
+    layers: dict[str, nn.Linear] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            try:
+                layers[hf_module_path(model, name)] = module
+            except ConfigError:  # no HF linear of its own
+                continue
+    try:
+        with safe_open(str(path), framework="pt") as file:
+            keys = set(file.keys())
+            paths = {k.removeprefix(PEFT_PREFIX).rsplit(".", 2)[0] for k in keys}
+            unknown = sorted(p for p in paths if p not in layers)
+            if unknown:
+                raise CheckpointMismatchError(
+                    f"adapter {path} adapts {unknown[0]}, which is not a linear layer of {type(model).__name__}; "
+                    "check that the adapter was trained on this model"
+                )
+            for module_path in sorted(paths):
+                layer = layers[module_path]
+                lora_a = file.get_tensor(f"{PEFT_PREFIX}{module_path}.lora_A.weight")
+                lora_b = file.get_tensor(f"{PEFT_PREFIX}{module_path}.lora_B.weight")
+                if lora_a.shape != (rank, layer.in_features) or lora_b.shape != (layer.out_features, rank):
+                    raise CheckpointMismatchError(
+                        f"adapter {path}: {module_path} factors {tuple(lora_a.shape)} and {tuple(lora_b.shape)} do "
+                        f"not fit a ({layer.out_features}, {layer.in_features}) layer of rank {rank}"
+                    )
+                full = _full(layer.weight)
+                delta = (lora_b.float() @ lora_a.float()) * scaling
+                copy_into(layer.weight, (full.float() + delta.to(full.device)).to(full.dtype))
+    except SafetensorError as err:
+        raise CheckpointFormatError(f"{path}: not a safetensors file ({err})") from None
+    except KeyError as err:
+        raise CheckpointMismatchError(f"adapter {path}: a factor is missing ({err})") from None
+    return len(paths)
+
+
 def merge_lora_transform(model: BaseModel) -> Callable[[str, torch.Tensor], torch.Tensor] | None:
     """The ``tensor_transform`` of :func:`~xtl.model.hf.model_io.save_hf_weights` that writes merged weights.
 
