@@ -233,11 +233,14 @@ class TestCallback:
 
 @pytest.mark.distributed
 class TestFSDP:
-    def test_two_ranks_score_like_one_process(self, hf_dir, sides, tmp_path):
-        """Two FSDP2 ranks (fp32, gloo) split the requests unevenly and agree on their forwards; the task metrics
-        equal one process's exactly and the per-request log-likelihoods within 1e-5."""
+    @pytest.mark.parametrize("cp", [1, 2], ids=["data-parallel", "context-parallel"])
+    def test_two_ranks_score_like_one_process(self, hf_dir, sides, tmp_path, cp):
+        """Two FSDP2 ranks (fp32, gloo): as two data-parallel ranks they split the requests unevenly and agree on
+        their forwards; as one context-parallel group each scores its half of every packed row and they decode whole
+        sequences in step. The task metrics (log-likelihoods and greedy generation) equal one process's exactly and
+        the per-request log-likelihoods within 1e-5."""
         out = tmp_path / "fsdp.json"
-        mp.spawn(_fsdp_worker, args=(2, _free_port(), str(hf_dir), str(out)), nprocs=2, join=True)
+        mp.spawn(_fsdp_worker, args=(2, _free_port(), str(hf_dir), str(out), cp), nprocs=2, join=True)
         got = json.loads(out.read_text())
         xtl, _ = sides
         settings = EvalSettings(**_FSDP_SETTINGS)
@@ -251,25 +254,38 @@ _FSDP_SETTINGS = {"tasks": ["tiny_choice", "tiny_exact"], "limit": 7}
 _FSDP_REQUESTS = [(f"Repeat: {w}", f" {w}") for w in "apple river stone cloud tiger lemon pencil".split()]
 
 
-def _fsdp_worker(rank: int, world: int, port: int, hf_dir: str, out: str) -> None:
+def _fsdp_worker(rank: int, world: int, port: int, hf_dir: str, out: str, cp: int = 1) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+
+    from xtl.strategies import SingleDevice
+    from xtl.strategies.layout import ParallelLayout, ParallelMeshes
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         model, _ = load_model(Path(hf_dir))
+        kwargs = {}
+        if cp > 1:  # one context-parallel group, as FSDPStrategy lays it out
+            strategy = SingleDevice()
+            mesh = init_device_mesh("cpu", (cp,), mesh_dim_names=("cp",))
+            strategy.meshes = ParallelMeshes(ParallelLayout(cp=cp), None, None, None, None, mesh)
+            strategy.apply_context_parallel(model)
+            kwargs = {"context_group": mesh.get_group(), "whole_sequences": lambda: strategy.whole_sequences(model)}
         for layer in model.decoder_layers():
             fully_shard(layer)
         fully_shard(model)
         tokenizer = AutoTokenizer.from_pretrained(hf_dir)
-        lm = XTLLM(model, tokenizer, batch_size=4, max_length=MAX_LENGTH, group=dist.group.WORLD)
+        lm = XTLLM(model, tokenizer, batch_size=4, max_length=MAX_LENGTH, group=dist.group.WORLD, **kwargs)
         settings = EvalSettings(**_FSDP_SETTINGS)
         results = run_lm_eval(lm, settings, *resolve_tasks(settings))
-        share = _FSDP_REQUESTS[:5] if rank == 0 else _FSDP_REQUESTS[5:]  # uneven: 2 packs on rank 0, 1 on rank 1
-        scores = [v for v, _ in lm.loglikelihood(_requests("loglikelihood", share))]
+        lm_rank, lm_world = lm.rank, lm.world_size
+        share = _FSDP_REQUESTS if lm_world == 1 else _FSDP_REQUESTS[:5] if lm_rank == 0 else _FSDP_REQUESTS[5:]
+        scores = [v for v, _ in lm.loglikelihood(_requests("loglikelihood", share))]  # uneven: 2 packs vs 1
         gathered = [None] * world
         dist.all_gather_object(gathered, scores)
         if rank == 0:
-            record = {"metrics": flat_metrics(results), "loglikelihoods": [v for part in gathered for v in part]}
+            parts = gathered[:: world // lm_world]
+            record = {"metrics": flat_metrics(results), "loglikelihoods": [v for part in parts for v in part]}
             Path(out).write_text(json.dumps(record))
     finally:
         dist.destroy_process_group()

@@ -83,14 +83,8 @@ class LMEval(pl.Callback):
         self._resolved: tuple[list, Any] | None = None
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """Check that lm-eval is installed and every task exists (before training starts), and refuse context
-        parallelism (requests run whole on each rank)."""
+        """Check that lm-eval is installed and every task exists (before training starts)."""
         require_lm_eval()
-        if pl_module.parallelizer.layout.cp > 1:
-            raise ConfigError(
-                "LMEval runs whole requests on each process; with trainer.strategy.init_args.context_parallel_size "
-                "> 1 drop callbacks/lm_eval.yaml (or set the size to 1)"
-            )
         if run_datamodule(trainer) is None:
             raise ConfigError("LMEval needs xtl's data module (data: in the config) for the tokenizer")
         try:
@@ -133,6 +127,8 @@ class LMEval(pl.Callback):
             template=datamodule.template,
             template_kwargs=datamodule.template_kwargs,
             group=group,
+            context_group=pl_module.parallelizer.meshes.cp_group(),
+            whole_sequences=lambda: pl_module.parallelizer.whole_sequences(pl_module.model),
         )
         start = time.perf_counter()
         results = run_lm_eval(lm, self.settings, *self._resolved)

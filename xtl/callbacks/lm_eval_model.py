@@ -14,27 +14,31 @@ copy of the weights):
 With a process group of several ranks, lm-eval gives each rank its share of the requests and gathers the scores on
 rank 0. Sharded parameters need every rank in every forward, so the ranks agree (one all-reduce) on how many packs
 and decoding batches they run and on the decoding budget; a rank that has run out of requests runs a one-token pack
-meanwhile.
+meanwhile. Under context parallelism the ranks of a context-parallel group are one lm-eval rank: they take the same
+requests, each scores its share of every packed row (:func:`~xtl.train.scorer.score_tokens`, made whole over the
+group), and they decode whole sequences in step (the model attends whole sequences meanwhile).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from lm_eval.api.model import TemplateLM
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
-from torch.distributed.tensor import DTensor
 
 from xtl.batch import SequenceContext
+from xtl.data.collate import MicroBatch, split_for_context_parallel
+from xtl.data.item import IGNORE_INDEX
 from xtl.data.templates import HF_TEMPLATE, get_template
 from xtl.model import BaseModel
 from xtl.train.generation import GenerationConfig, generate
+from xtl.train.scorer import pack_values, score_tokens
 
 Request = tuple[tuple[str, str] | None, list[int], list[int]]
 
@@ -53,6 +57,10 @@ class XTLLM(TemplateLM):
             (``qwen3``, ...) or ``None`` / ``hf`` for the tokenizer's own.
         template_kwargs: Built-in template overrides.
         group: Process group of the ranks that evaluate together (``None``: this process alone).
+        context_group: The context-parallel group of this rank within ``group`` (``None``: none); its ranks are
+            consecutive in ``group`` (the parallel layout's order) and form one lm-eval rank.
+        whole_sequences: A context in which the model attends whole sequences of each rank (decoding under context
+            parallelism: :meth:`~xtl.strategies.parallelize.ParallelizingStrategy.whole_sequences`).
     """
 
     def __init__(
@@ -65,6 +73,8 @@ class XTLLM(TemplateLM):
         template: str | None = None,
         template_kwargs: dict[str, Any] | None = None,
         group: Any = None,
+        context_group: Any = None,
+        whole_sequences: Callable[[], AbstractContextManager[None]] | None = None,
     ) -> None:
         super().__init__()
         if batch_size < 1:
@@ -77,10 +87,15 @@ class XTLLM(TemplateLM):
         self.template = template
         self.template_kwargs = template_kwargs or {}
         self.group = group
+        self.context_group = context_group
+        self._whole_sequences = whole_sequences or nullcontext
         self._device = next(model.parameters()).device
         distributed = group is not None and dist.is_initialized()
-        self._rank = dist.get_rank(group) if distributed else 0
-        self._world_size = dist.get_world_size(group) if distributed else 1
+        self._cp = dist.get_world_size(context_group) if context_group is not None else 1
+        self._cp_rank = dist.get_rank(context_group) if context_group is not None else 0
+        self._ranks = dist.get_world_size(group) if distributed else 1  # every rank of the group
+        self._rank = (dist.get_rank(group) if distributed else 0) // self._cp
+        self._world_size = self._ranks // self._cp
 
     # ---- lm-eval's interface -----------------------------------------------------------------------------------
 
@@ -201,24 +216,29 @@ class XTLLM(TemplateLM):
     # ---- collectives lm-eval's evaluator uses ------------------------------------------------------------------
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        """``tensor`` of every rank, stacked (rank order)."""
-        if self.world_size == 1:
+        """``tensor`` of every lm-eval rank, stacked (rank order; one per context-parallel group)."""
+        if self._ranks == 1:
             return tensor
-        parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        parts = [torch.empty_like(tensor) for _ in range(self._ranks)]
         dist.all_gather(parts, tensor.contiguous(), group=self.group)
-        return torch.stack(parts)
+        return torch.stack(parts[:: self._cp])
 
     def gather_object(self, obj: Any, dst: int = 0) -> list[Any] | None:
-        """``obj`` of every rank on rank ``dst`` of the group (``None`` elsewhere)."""
-        if self.world_size == 1:
+        """``obj`` of every lm-eval rank on lm-eval rank ``dst`` (``None`` elsewhere; under context parallelism
+        every rank of ``dst``'s group gets them, as each is lm-eval rank ``dst``)."""
+        if self._ranks == 1:
             return [obj]
-        gathered = [None] * self.world_size if self.rank == dst else None
-        dist.gather_object(obj, gathered, dst=dist.get_global_rank(self.group, dst), group=self.group)
-        return gathered
+        if self._cp == 1:
+            gathered = [None] * self._ranks if self.rank == dst else None
+            dist.gather_object(obj, gathered, dst=dist.get_global_rank(self.group, dst), group=self.group)
+            return gathered
+        everything: list[Any] = [None] * self._ranks
+        dist.all_gather_object(everything, obj, group=self.group)
+        return everything[:: self._cp] if self.rank == dst else None
 
     def barrier(self) -> None:
         """Wait for every rank of the group."""
-        if self.world_size > 1:
+        if self._ranks > 1:
             dist.barrier(group=self.group)
 
     # ---- private -----------------------------------------------------------------------------------------------
@@ -251,17 +271,23 @@ class XTLLM(TemplateLM):
         return results
 
     def _score(self, pack: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
-        """One packed forward over ``(input ids, target ids)`` pairs; the targets are the last inputs' successors."""
-        ids = torch.tensor([[t for inp, _ in pack for t in inp]], device=self._device)
+        """One packed forward over ``(input ids, target ids)`` pairs; the targets are the last inputs' successors
+        (under context parallelism each rank scores its share of the row)."""
+        ids = torch.tensor([[t for inp, _ in pack for t in inp]])
         seq_ctx = SequenceContext.from_lengths(ids, [len(inp) for inp, _ in pack])
         ends = seq_ctx.doc_bounds[1:]
         keep = torch.tensor([p for end, (_, tgt) in zip(ends, pack) for p in range(end - len(tgt), end)])
-        logits = self.model(seq_ctx=seq_ctx, logits_to_keep=keep.to(self._device)).logits
-        logits = logits.full_tensor() if isinstance(logits, DTensor) else logits
-        logprobs = F.log_softmax(logits[0].float(), dim=-1)
-        targets = torch.tensor([t for _, tgt in pack for t in tgt], device=self._device)
-        picked = logprobs.gather(1, targets[:, None])[:, 0]
-        greedy = logprobs.argmax(-1) == targets
+        labels = torch.full_like(ids, IGNORE_INDEX)
+        labels[0, keep] = torch.tensor([t for _, tgt in pack for t in tgt])
+        seq_ctx.loss_positions = keep  # the head runs on the scored positions only
+        batch = MicroBatch(seq_ctx, labels, keep.numel(), ids.numel())
+        if self._cp > 1:
+            batch = split_for_context_parallel(batch, self._cp_rank, self._cp)
+        batch = batch.to(self._device)
+        scores = score_tokens(self.model, batch.seq_ctx, batch.labels, greedy=True)
+        keep = keep.to(self._device)
+        picked = pack_values(scores, keep, group=self.context_group)
+        greedy = pack_values(scores, keep, scores.greedy.to(picked.dtype), group=self.context_group)
         out, start = [], 0
         for _, tgt in pack:  # summed per request in float32, as lm-eval's hf model sums
             n = len(tgt)
@@ -277,13 +303,14 @@ class XTLLM(TemplateLM):
             return [len(row) >= budget or any(s in self.tok_decode(row) for s in until) for row in rows]
 
         config = GenerationConfig(max_new_tokens=steps, stop_token_ids=(self.eot_token_id,), **settings)
-        group = self.group if self.world_size > 1 else None
-        rows = generate(self.model, prompts, config, group=group, stop_when=stop_when).sequences
+        group = self.group if self._ranks > 1 else None
+        with self._whole_sequences():
+            rows = generate(self.model, prompts, config, group=group, stop_when=stop_when).sequences
         return [postprocess_generated_text(self.tok_decode(row[:budget]), until, None) for row in rows]
 
     def _agree(self, count: int) -> int:
         """The largest ``count`` over the ranks (every rank runs as many forwards)."""
-        if self.world_size == 1:
+        if self._ranks == 1:
             return count
         value = torch.tensor([count], dtype=torch.long)
         if dist.get_backend(self.group) == "nccl":
