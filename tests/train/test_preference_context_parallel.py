@@ -15,14 +15,13 @@ import dataclasses
 import os
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests.train.test_preference import MODEL, _pairs
 from tests.train.test_step import _free_port
-from xtl.data import Pack, collate_pack
 from xtl.data.collate import split_for_context_parallel
 from xtl.strategies import SingleDevice
 from xtl.strategies.layout import ParallelLayout, ParallelMeshes
@@ -32,12 +31,7 @@ from xtl.train.reference_cache import compute_reference_table, pair_offsets
 from xtl.train.step import forward_backward
 
 CP = 2
-MODEL = {
-    "model_type": "qwen3", "vocab_size": 97, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "attn_impl": "sdpa",
-}  # fmt: skip
 LENGTHS = [9, 14, 12, 7, 20, 13]  # 75 tokens -> 76: pairs 1 and 2 cross the split at 38
-PROMPT = 4
 CASES = {
     "sigmoid": dict(loss_type="sigmoid", beta=0.5),
     "sigmoid_rpo": dict(loss_type="sigmoid", beta=0.5, rpo_alpha=0.7),
@@ -77,15 +71,7 @@ class TestPreferenceUnderContextParallelism:
 
 
 def _micro_batch(unpaired: bool):
-    rng = np.random.default_rng(0)
-    ids, labels = [], []
-    for k in range(0, len(LENGTHS), 2):
-        prompt = rng.integers(1, 97, PROMPT)
-        for length in LENGTHS[k : k + 2]:
-            doc = np.concatenate([prompt, rng.integers(1, 97, length - PROMPT)])
-            ids.append(doc)
-            labels.append(np.where(np.arange(length) < PROMPT, -100, doc))
-    mb = collate_pack(Pack(0, np.concatenate(ids), np.concatenate(labels), LENGTHS))
+    mb = _pairs(LENGTHS)
     if unpaired:  # rows labeled desirable, undesirable, desirable (each tag on the row's two documents)
         mb = dataclasses.replace(mb, doc_tags=(1, 1, 0, 0, 1, 1))
     return mb

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from tests.train.conftest import TINY_MODEL
 from xtl.utils import TINY_ASSETS_DIR
@@ -215,6 +216,40 @@ class TestPreferenceFit:
         rebuilt, err = _fit(tmp_path / "rebuilt", cache, TINY_MODEL, *data, *steps, "--ckpt_path", str(ckpt))
         assert "from a copy of the starting policy (the resumed policy has moved)) computed" in err
         assert [rebuilt[s]["train/loss"] for s in (2, 3)] == [full[s]["train/loss"] for s in (2, 3)]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+class TestReferenceModesFit:
+    def test_precomputed_reference_under_context_parallelism_equals_one_process(self, tmp_path):
+        """CP 2: the table is computed on the shares of every pack (one rank of the group contributing each pair)
+        and the steps log one process's losses, metrics and gradient norms."""
+        data = _small_pairs(tmp_path)
+        one, _ = _fit(tmp_path / "one", tmp_path / "cache_one", TINY_MODEL, *data, *PRECOMPUTED)
+        fragment = FSDP.format(extra="      context_parallel_size: 2\n")
+        split, err = _fit(tmp_path / "cp", tmp_path / "cache_cp", TINY_MODEL, *data, *PRECOMPUTED, fragment=fragment)
+        assert "reference log-probabilities of train (46 pairs, 31 packs on 1 data rank(s)" in err
+        _close(split, one, range(3), keys=(*LOGGED, "train/grad_norm"), abs_=REWARD_ATOL)
+        want, got = _tables(tmp_path / "cache_one"), _tables(tmp_path / "cache_cp")
+        assert sorted(got) == sorted(want) == [16, 46]
+        for pairs, table in got.items():
+            np.testing.assert_allclose(table, want[pairs], rtol=1e-6)
+
+    def test_a_synced_reference_is_training_state_and_resumes_exactly(self, tmp_path, data_cache):
+        """TR-DPO (``sync_every: 1``): the checkpoint holds the moved reference, so a run resumed at step 2 logs the
+        uninterrupted run's steps 2 and 3; the sync acts (other margins than a fixed reference)."""
+        every_2 = ["--trainer.callbacks+=ModelCheckpoint", "--trainer.callbacks.dirpath=ckpt"]
+        every_2 += ["--trainer.callbacks.every_n_train_steps=2", "--trainer.callbacks.save_top_k=-1"]
+        steps = ["--trainer.max_steps", "4", "--model.init_args.schedule.decay_steps", "4"]
+        sync = ["--model.init_args.reference", "{mode: live, sync_every: 1, mixup_alpha: 0.5}"]
+        fixed, _ = _fit(tmp_path / "fixed", data_cache, TINY_MODEL, *steps)
+        full, _ = _fit(tmp_path / "full", data_cache, TINY_MODEL, *every_2, *steps, *sync)
+        assert full[2]["train/rewards/margins"] != fixed[2]["train/rewards/margins"]
+        (ckpt,) = (tmp_path / "full/runs/tiny_dpo/ckpt").glob("*step=2.ckpt")
+        saved = torch.load(ckpt, map_location="cpu", weights_only=True)["state_dict"]
+        assert any(key.startswith("reference.frozen.") for key in saved)
+        resumed, _ = _fit(tmp_path / "resumed", data_cache, TINY_MODEL, *steps, *sync, "--ckpt_path", str(ckpt))
+        assert [resumed[s]["train/loss"] for s in (2, 3)] == [full[s]["train/loss"] for s in (2, 3)]
 
 
 @pytest.mark.slow

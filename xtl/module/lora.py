@@ -91,14 +91,8 @@ def lora_layers(model: nn.Module) -> Iterator[tuple[str, nn.Linear]]:
 def adapters_disabled(model: nn.Module) -> Iterator[None]:
     """Within the block, every adapted layer of ``model`` computes its base output only (the adapters stay in place,
     untouched): the base model, e.g. the reference of preference optimization, without a second copy of it."""
-    layers = [layer for _, layer in lora_layers(model)]
-    for layer in layers:
-        layer.lora_enabled = False
-    try:
+    with _layers_set(model, "lora_enabled", False):
         yield
-    finally:
-        for layer in layers:
-            layer.lora_enabled = True
 
 
 def keep_starting_adapters(model: nn.Module) -> None:
@@ -114,14 +108,8 @@ def starting_adapters(model: nn.Module) -> Iterator[None]:
     :func:`keep_starting_adapters` (frozen: no gradient reaches them; no dropout), and with none where nothing was
     remembered: the starting policy of a run that continues from a trained adapter, without a second copy of the
     model or an in-place change of the trained factors (a pending backward still sees them unchanged)."""
-    layers = [layer for _, layer in lora_layers(model)]
-    for layer in layers:
-        layer.lora_use_start = True
-    try:
+    with _layers_set(model, "lora_use_start", True):
         yield
-    finally:
-        for layer in layers:
-            layer.lora_use_start = False
 
 
 def merged_weight(layer: nn.Linear, weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor) -> torch.Tensor:
@@ -142,6 +130,19 @@ def _add_adapter_output(layer: nn.Module, args: tuple[torch.Tensor, ...], output
         start_a, start_b = (factor.to(dtype) for factor in layer.lora_start)
         return output + F.linear(F.linear(x, start_a), start_b) * layer.lora_scaling
     return output + layer.lora_B(layer.lora_A(layer.lora_dropout(x))) * layer.lora_scaling
+
+
+@contextmanager
+def _layers_set(model: nn.Module, flag: str, value: bool) -> Iterator[None]:
+    """Every adapted layer's ``flag`` set to ``value`` within the block, back to ``not value`` after."""
+    layers = [layer for _, layer in lora_layers(model)]
+    for layer in layers:
+        setattr(layer, flag, value)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            setattr(layer, flag, not value)
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
