@@ -15,10 +15,11 @@ from lightning.pytorch.trainer.states import TrainerFn
 from xtl.callbacks._run import run_datamodule
 from xtl.callbacks.lm_eval_run import EvalSettings, flat_metrics, require_lm_eval, resolve_tasks, run_lm_eval
 from xtl.errors import ConfigError
+from xtl.strategies.capability import ContextParallelFeature, Refusal
 from xtl.utils import atomic_write_bytes
 
 
-class LMEval(pl.Callback):
+class LMEval(pl.Callback, ContextParallelFeature):
     """Evaluate the model with lm-evaluation-harness every ``every_n_steps`` steps, at the end of training, and with
     every ``xtl validate``.
 
@@ -82,15 +83,15 @@ class LMEval(pl.Callback):
         self.history: list[tuple[int, dict[str, float]]] = []
         self._resolved: tuple[list, Any] | None = None
 
+    def context_parallel_refusal(self, stage: str) -> Refusal | None:
+        """Refused under context parallelism: requests run whole on each rank."""
+        return Refusal(
+            "LMEval runs whole requests on each process", "drop LMEval from trainer.callbacks: callbacks/lm_eval.yaml"
+        )
+
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """Check that lm-eval is installed and every task exists (before training starts), and refuse context
-        parallelism (requests run whole on each rank)."""
+        """Check that lm-eval is installed and every task exists (before training starts)."""
         require_lm_eval()
-        if pl_module.parallelizer.layout.cp > 1:
-            raise ConfigError(
-                "LMEval runs whole requests on each process; with trainer.strategy.init_args.context_parallel_size "
-                "> 1 drop callbacks/lm_eval.yaml (or set the size to 1)"
-            )
         if run_datamodule(trainer) is None:
             raise ConfigError("LMEval needs xtl's data module (data: in the config) for the tokenizer")
         try:

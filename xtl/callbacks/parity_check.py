@@ -19,13 +19,14 @@ from xtl.model.parity import (
     resolve_tolerance,
     run_parity_check,
 )
+from xtl.strategies.capability import ContextParallelFeature, Refusal
 from xtl.utils import atomic_write_bytes
 
 _ON_FAIL = ("raise", "warn")
 _DTYPES = ("float32", "bfloat16", "float16")
 
 
-class HFParityCheck(pl.Callback):
+class HFParityCheck(pl.Callback, ContextParallelFeature):
     """Compare the run's model with transformers' eager model on a real micro-batch of the run.
 
     At the first training batch of a fit (weights loaded or initialized, before the first optimizer step) and,
@@ -104,23 +105,24 @@ class HFParityCheck(pl.Callback):
         self.reports: list[ParityReport] = []
         self._started = False
 
+    def context_parallel_refusal(self, stage: str) -> Refusal | None:
+        """Refused under context parallelism: the check runs whole documents on each process."""
+        return Refusal(
+            "HFParityCheck runs whole documents on each process",
+            "drop HFParityCheck from trainer.callbacks: callbacks/parity_check.yaml",
+        )
+
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Refuse a model the check does not cover, before any weight is loaded.
 
         Raises:
-            ConfigError: For a vision-language model (the check compares decoder-only text models), or under
-                context parallelism (it runs whole documents on each process).
+            ConfigError: For a vision-language model (the check compares decoder-only text models).
         """
         config = pl_module.model_config
         if config.vision_language:
             raise ConfigError(
                 f"HFParityCheck compares decoder-only text models with transformers; {type(config).__name__} has a "
                 "vision tower: drop callbacks/parity_check.yaml from this run"
-            )
-        if pl_module.parallelizer.layout.cp > 1:
-            raise ConfigError(
-                "HFParityCheck runs whole documents on each process; with trainer.strategy.init_args."
-                "context_parallel_size > 1 drop callbacks/parity_check.yaml from this run"
             )
 
     def on_train_batch_start(

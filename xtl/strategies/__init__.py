@@ -1,5 +1,6 @@
 """The scale & speed seam: the ordered parallelize contract, the FSDP2 strategy and atomic checkpoint I/O."""
 
+from xtl.strategies.capability import ContextParallelFeature, Refusal
 from xtl.strategies.checkpoint_io import AtomicCheckpointIO
 from xtl.strategies.fsdp import FSDPStrategy
 from xtl.strategies.parallelize import (
@@ -13,9 +14,11 @@ from xtl.strategies.parallelize import (
 
 __all__ = [
     "AtomicCheckpointIO",
+    "ContextParallelFeature",
     "FSDPStrategy",
     "ModelTransform",
     "ParallelizingStrategy",
+    "Refusal",
     "ShardedStrategyMixin",
     "SingleDevice",
     "TransformStage",

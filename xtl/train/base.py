@@ -25,6 +25,7 @@ from xtl.data.packing import Pack
 from xtl.errors import ConfigError, did_you_mean
 from xtl.model import BaseModel, ModelOutput
 from xtl.module.lora import lora_layers
+from xtl.strategies.capability import ContextParallelFeature, Refusal
 from xtl.strategies.parallelize import ModelTransform, ParallelizingStrategy, SingleDevice, WeightSource
 from xtl.train.family import DataRanks, RouterTraining, family_of, family_training
 from xtl.train.generation import GenerationConfig, chat_prompt_ids, generate, split_thinking
@@ -41,7 +42,7 @@ from xtl.train.step import (
 from xtl.utils import atomic_write_bytes
 
 
-class LanguageModule(pl.LightningModule):
+class LanguageModule(pl.LightningModule, ContextParallelFeature):
     """Trains an xtl model of any family on step batches (``list[MicroBatch]``) from :class:`xtl.data.XTLDataModule`.
 
     Manual optimization: each ``training_step`` runs forward/backward on every micro-batch with the loss scaled by
@@ -77,6 +78,11 @@ class LanguageModule(pl.LightningModule):
     Multi-token prediction (DeepSeek-V3 ``mtp_layers``) adds its weighted per-depth losses to each micro-batch's
     loss (:class:`~xtl.train.family.MTPLosses`); objectives other than next-token prediction refuse it
     (:attr:`trains_mtp`).
+
+    Under context parallelism the module is one :class:`~xtl.strategies.capability.ContextParallelFeature` of the
+    run: the objective declares itself (:meth:`context_parallel_refusal`; next-token training runs), and its parts
+    (:meth:`context_parallel_parts`: the decoding of ``predict``, the family's training behaviours) are asked with
+    it, once, by the strategy at startup.
 
     Raises:
         ConfigError: ``routing`` for a model without routed experts; ``freeze`` names an unknown part or all of
@@ -190,16 +196,16 @@ class LanguageModule(pl.LightningModule):
                     f"the tokenizer {datamodule.tokenizer_path!r} has {size} tokens but the model's vocab_size is "
                     f"{self.model_config.vocab_size}; set model vocab_size >= {size} (or use a matching tokenizer)"
                 )
-        if stage == "predict" and self.parallelizer.layout.cp > 1:
-            raise ConfigError(
-                "xtl predict / generate decode whole prompts on each process: set "
-                "trainer.strategy.init_args.context_parallel_size to 1 for them"
-            )
-        if getattr(self.model_config, "mtp_layers", 0) and self.parallelizer.layout.cp > 1:
-            raise ConfigError(
-                "mtp_layers: multi-token prediction shifts tokens across context-parallel shares, which xtl does not "
-                "support; set trainer.strategy.init_args.context_parallel_size to 1 or mtp_layers to 0"
-            )
+
+    def context_parallel_refusal(self, stage: str) -> Refusal | None:
+        """The objective's declaration: next-token training, validation and test run under context parallelism.
+        An objective that cannot (in some mode) returns why."""
+        return None
+
+    def context_parallel_parts(self) -> list[ContextParallelFeature]:
+        """What the module brings to a run besides its objective: the decoding of ``predict`` and the family's
+        training behaviours (multi-token prediction)."""
+        return [_DECODING, *self.family_training]
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """With context parallelism, keep this rank's share of each packed micro-batch (cut on the host, before the
@@ -583,6 +589,19 @@ class LanguageModule(pl.LightningModule):
         datamodule = getattr(self.trainer, "datamodule", None)
         names = getattr(datamodule, f"{stage}_set_names", None) or []
         return names[dataloader_idx] if dataloader_idx < len(names) else str(dataloader_idx)
+
+
+class _Decoding(ContextParallelFeature):
+    """``xtl predict`` / ``xtl generate``: cached decoding of whole prompts on every rank."""
+
+    def context_parallel_refusal(self, stage: str) -> Refusal | None:
+        """Refused in the ``predict`` stage."""
+        if stage != "predict":
+            return None
+        return Refusal("xtl predict / generate decode whole prompts on each process")
+
+
+_DECODING = _Decoding()
 
 
 def _drop_keys(module: nn.Module, state_dict: dict[str, Any], prefix: str, metadata: Any, keys: set[str]) -> None:
