@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 import lightning.pytorch as pl
 import pytest
@@ -17,7 +18,7 @@ from tests.composition.matrix import FAMILIES
 from xtl.callbacks import HFExport
 from xtl.errors import ConfigError
 from xtl.ops import hf_impl
-from xtl.strategies import AtomicCheckpointIO
+from xtl.strategies import AtomicCheckpointIO, SingleDevice
 from xtl.strategies.capability import Refusal, check_context_parallel
 from xtl.strategies.layout import ParallelLayout
 from xtl.train import AdamWConfig, LanguageModule, RouterTraining, ScheduleConfig
@@ -323,3 +324,16 @@ class TestContextParallelDeclarations:
         check_context_parallel(self.CP2, [Objective(False, model=TINY_MODEL)], "fit")
         with pytest.raises(ConfigError, match="but Objective.whole_packs computes whole packs; leave it out"):
             check_context_parallel(self.CP2, [Objective(True, model=TINY_MODEL)], "fit")
+
+
+class TestDataRanks:
+    def test_setup_gives_the_data_module_the_layouts_data_rank(self, make_datamodule):
+        """Rank 3 of ``dp_shard 2 x cp 2`` reads the share of data rank 1 of 2 (ranks 2 and 3 share a sequence),
+        not the share of its process rank."""
+        strategy = SingleDevice()
+        strategy.layout = ParallelLayout(dp_shard=2, cp=2)
+        datamodule = make_datamodule()
+        module = LanguageModule(TINY_MODEL)
+        module._trainer = SimpleNamespace(strategy=strategy, datamodule=datamodule, global_rank=3)
+        module.setup("fit")
+        assert datamodule.data_parallel_rank() == (1, 2)

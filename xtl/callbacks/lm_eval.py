@@ -9,13 +9,13 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from lightning.pytorch.trainer.states import TrainerFn
 
 from xtl.callbacks._run import run_datamodule
 from xtl.callbacks.lm_eval_run import EvalSettings, flat_metrics, require_lm_eval, resolve_tasks, run_lm_eval
 from xtl.errors import ConfigError
 from xtl.strategies.capability import ContextParallelFeature, Refusal
+from xtl.strategies.layout import broadcast_object
 from xtl.utils import atomic_write_bytes
 
 
@@ -125,7 +125,7 @@ class LMEval(pl.Callback, ContextParallelFeature):
         if self._resolved is None:
             self._resolved = resolve_tasks(self.settings)
         datamodule = run_datamodule(trainer)
-        group = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+        group = pl_module.parallelizer.world_group()  # every rank of the layout takes a share of the requests
         lm = XTLLM(
             pl_module.model,
             datamodule.load_tokenizer(),
@@ -139,10 +139,7 @@ class LMEval(pl.Callback, ContextParallelFeature):
         results = run_lm_eval(lm, self.settings, *self._resolved)
         seconds = time.perf_counter() - start
         metrics = flat_metrics(results) if results is not None else {}
-        if group is not None and dist.get_world_size() > 1:
-            shared = [metrics]
-            dist.broadcast_object_list(shared, src=0)
-            metrics = shared[0]
+        metrics = broadcast_object(metrics, group)  # scored on the group's first rank
         step = trainer.global_step
         if trainer.is_global_zero and results is not None:
             root = Path(self.dirpath) if self.dirpath else Path(trainer.default_root_dir) / "lm_eval"

@@ -20,6 +20,7 @@ from xtl.model.parity import (
     run_parity_check,
 )
 from xtl.strategies.capability import ContextParallelFeature, Refusal
+from xtl.strategies.layout import broadcast_object
 from xtl.utils import atomic_write_bytes
 
 _ON_FAIL = ("raise", "warn")
@@ -142,10 +143,11 @@ class HFParityCheck(pl.Callback, ContextParallelFeature):
         Raises:
             ParityCheckError: On every rank, when a bound is exceeded and ``on_fail`` is ``raise``.
         """
+        group = pl_module.parallelizer.world_group()  # every rank of the layout runs the (sharded) model
         documents = None
         if trainer.is_global_zero and micro_batch is not None:
             documents = ParityDocuments.from_packed(micro_batch.seq_ctx, micro_batch.labels, self.max_tokens)
-        documents = trainer.strategy.broadcast(documents, src=0)
+        documents = broadcast_object(documents, group)
         if documents is None:
             return None
         step = trainer.global_step
@@ -168,7 +170,7 @@ class HFParityCheck(pl.Callback, ContextParallelFeature):
             self.reports.append(report)
             self._publish(trainer, report)
             message = report.failure_message()
-        message = trainer.strategy.broadcast(message, src=0)
+        message = broadcast_object(message, group)
         if message:
             if self.on_fail == "raise":
                 raise ParityCheckError(message, report)

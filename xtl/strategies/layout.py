@@ -20,7 +20,7 @@ exchange tokens over the ``ep`` mesh, and the sampler reads :meth:`ParallelLayou
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypeVar
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -28,6 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from xtl.errors import ConfigError
 
 KEY = "trainer.strategy.init_args"
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -165,9 +166,27 @@ class ParallelMeshes:
     cp: DeviceMesh | None = None
 
     def data_group(self) -> dist.ProcessGroup | None:
-        """The process group of :attr:`data` (``None`` on one rank)."""
+        """The process group of :attr:`data` (``None`` on one rank): the ranks whose tokens make up a step (each
+        ``cp`` rank holds a share of its sequence), over which token counts, losses and statistics sum."""
         return None if self.data is None else self.data.get_group()
+
+    def world_group(self) -> dist.ProcessGroup | None:
+        """Every rank of the layout (``None`` on one rank): the ranks every sharded forward spans, which must run
+        as many forwards as each other and share what one of them computed (evaluation results). The data mesh
+        spans them all in every layout xtl builds; the process's default group need not be this group (several
+        runs may share one process group)."""
+        return self.data_group()
 
     def cp_group(self) -> dist.ProcessGroup | None:
         """The process group of :attr:`cp` (``None`` without context parallelism)."""
         return None if self.cp is None else self.cp.get_group()
+
+
+def broadcast_object(obj: T, group: dist.ProcessGroup | None) -> T:
+    """The first rank of ``group``'s ``obj`` (any picklable object), on every rank of ``group`` (collective over it);
+    ``obj`` itself when ``group`` is ``None`` (one rank)."""
+    if group is None:
+        return obj
+    shared = [obj]
+    dist.broadcast_object_list(shared, group=group, group_src=0)
+    return shared[0]

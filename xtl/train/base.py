@@ -19,6 +19,7 @@ import torchmetrics
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
+from xtl.data import XTLDataModule
 from xtl.data.collate import MicroBatch, collate_pack, split_for_context_parallel
 from xtl.data.item import IGNORE_INDEX
 from xtl.data.packing import Pack
@@ -186,16 +187,19 @@ class LanguageModule(pl.LightningModule, ContextParallelFeature):
 
     def setup(self, stage: str) -> None:
         """Check that the datamodule's tokenizer fits the model's vocabulary (a clear error instead of an index
-        error deep inside the embedding)."""
-        datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
-        load = getattr(datamodule, "load_tokenizer", None)
-        if load is not None:
-            size = len(load())
-            if size > self.model_config.vocab_size:
-                raise ValueError(
-                    f"the tokenizer {datamodule.tokenizer_path!r} has {size} tokens but the model's vocab_size is "
-                    f"{self.model_config.vocab_size}; set model vocab_size >= {size} (or use a matching tokenizer)"
-                )
+        error deep inside the embedding), and give xtl's data module this rank's data-parallel rank and size from
+        the layout (the ranks of one context-parallel group read the same data)."""
+        datamodule = self._trainer.datamodule if self._trainer is not None else None
+        if not isinstance(datamodule, XTLDataModule):
+            return
+        size = len(datamodule.load_tokenizer())
+        if size > self.model_config.vocab_size:
+            raise ValueError(
+                f"the tokenizer {datamodule.tokenizer_path!r} has {size} tokens but the model's vocab_size is "
+                f"{self.model_config.vocab_size}; set model vocab_size >= {size} (or use a matching tokenizer)"
+            )
+        layout = self.parallelizer.layout
+        datamodule.use_data_parallel(layout.data_rank(self.global_rank), layout.dp_size)
 
     def context_parallel_refusal(self, stage: str) -> Refusal | None:
         """The objective's declaration: next-token training, validation and test run under context parallelism.
@@ -408,9 +412,10 @@ class LanguageModule(pl.LightningModule, ContextParallelFeature):
         filler pack without labels, whose output the caller drops.
         """
         target = len(batch)
-        if self.parallelizer.shards_parameters and dist.is_initialized() and dist.get_world_size() > 1:
+        group = self.parallelizer.world_group()
+        if self.parallelizer.shards_parameters and group is not None:
             most = torch.tensor(float(target), device=self.device)
-            dist.all_reduce(most, op=dist.ReduceOp.MAX)
+            dist.all_reduce(most, op=dist.ReduceOp.MAX, group=group)
             target = int(most.item())
         yield from ((mb, True) for mb in batch)
         for _ in range(target - len(batch)):
