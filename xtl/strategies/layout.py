@@ -52,10 +52,10 @@ class ParallelLayout:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"parallel layout: {name} must be a whole number >= 1, got {value!r}")
-        if (self.dp_shard * self.cp) % self.ep:
+        if self.shard_size % self.ep:
             raise ConfigError(
                 f"{KEY}.expert_parallel_size ({self.ep}) must divide the ranks a parameter is sharded over "
-                f"({self.dp_shard * self.cp}); choose a divisor"
+                f"({self.shard_size}); choose a divisor"
             )
         if self.ep > 1 and self.dp_replicate > 1:
             raise ConfigError(
@@ -102,9 +102,14 @@ class ParallelLayout:
         return self.dp_replicate * self.dp_shard
 
     @property
+    def shard_size(self) -> int:
+        """Ranks a dense parameter is sharded over (``dp_shard * cp``: the ``cp`` ranks shard parameters too)."""
+        return self.dp_shard * self.cp
+
+    @property
     def edp(self) -> int:
         """Ranks each expert slice is FSDP-sharded over (``dp_shard * cp / ep``)."""
-        return self.dp_shard * self.cp // self.ep
+        return self.shard_size // self.ep
 
     @property
     def sharded(self) -> bool:
@@ -137,7 +142,7 @@ class ParallelLayout:
             fsdp = mesh["edp", "ep"]._flatten("dp_shard")
             return ParallelMeshes(self, fsdp, fsdp, mesh["ep"], mesh["edp"], cp)
         mesh = init_device_mesh(
-            device_type, (self.dp_replicate, self.dp_shard * self.cp), mesh_dim_names=("dp_replicate", "dp_shard")
+            device_type, (self.dp_replicate, self.shard_size), mesh_dim_names=("dp_replicate", "dp_shard")
         )
         data = mesh["dp_replicate", "dp_shard"]._flatten("data")
         fsdp = mesh if self.dp_replicate > 1 else mesh["dp_shard"]
