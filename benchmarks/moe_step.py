@@ -266,6 +266,7 @@ def train_step(
         dp_world_size=dist.get_world_size(),
         backward=lambda loss: loss.backward(),
         device=torch.device("cpu"),
+        group=dist.group.WORLD,  # every rank is a data rank of the benchmark's layout
         gradient_sync=model.set_requires_gradient_sync,
     )
     grad_norm_and_clip(list(model.parameters()), max_grad_norm)

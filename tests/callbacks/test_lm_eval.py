@@ -291,6 +291,43 @@ def _fsdp_worker(rank: int, world: int, port: int, hf_dir: str, out: str, cp: in
         dist.destroy_process_group()
 
 
+@pytest.mark.distributed
+class TestLayoutGroup:
+    def test_a_one_rank_layout_in_a_two_rank_process_group_evaluates_alone(self, hf_dir, tmp_path):
+        """Two runs of one rank each share a process group (as the composition matrix's runner does), each
+        evaluating its own task: the callback's requests and shared scores stay within its layout's group, so each
+        run reports its own task (over the default group they would mix, or wait on each other)."""
+        out = str(tmp_path / "metrics")
+        mp.spawn(_one_rank_layout_worker, args=(_free_port(), str(hf_dir), out), nprocs=2, join=True)
+        for rank, task in enumerate(_TASK_OF_RANK):
+            metrics = json.loads(Path(f"{out}.{rank}").read_text())
+            assert metrics and {name.split("/")[1] for name in metrics} == {task}, metrics
+
+
+_TASK_OF_RANK = ("tiny_choice", "tiny_exact")
+
+
+def _one_rank_layout_worker(rank: int, port: int, hf_dir: str, out: str) -> None:
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    from tests.strategies.test_layout import _OneRankLayout
+    from xtl.callbacks import LMEval
+    from xtl.data import XTLDataModule
+
+    address = f"tcp://127.0.0.1:{port}"
+    dist.init_process_group("gloo", init_method=address, rank=rank, world_size=2, timeout=timedelta(seconds=60))
+    try:
+        model, _ = load_model(Path(hf_dir))
+        module = SimpleNamespace(model=model, parallelizer=_OneRankLayout())
+        datamodule = XTLDataModule(sources=[{"path": "tiny:sft_train.jsonl"}], tokenizer=hf_dir)
+        trainer = SimpleNamespace(datamodule=datamodule, global_step=0, is_global_zero=True)
+        callback = LMEval(tasks=[_TASK_OF_RANK[rank]], limit=2, dirpath=f"{out}.dir{rank}")
+        Path(f"{out}.{rank}").write_text(json.dumps(callback.evaluate(trainer, module)))
+    finally:
+        dist.destroy_process_group()
+
+
 class TestVisionLanguageModel:
     """A vision-language model answers text-only requests as transformers' model does on text alone: packed
     log-likelihoods through the VLM's forward (M-RoPE positions of text), and cached greedy decoding."""

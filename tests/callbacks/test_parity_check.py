@@ -39,10 +39,8 @@ def _fit(recipe: str, data_cache: Path, *extra: str, steps: int = 2) -> int:
 
 def _single_process(root: Path, model: torch.nn.Module) -> tuple[SimpleNamespace, SimpleNamespace]:
     """The parts of a one-process trainer at step 3 and of a module that the callback uses."""
-    strategy = SimpleNamespace(broadcast=lambda obj, src=0: obj)
     trainer = SimpleNamespace(
         is_global_zero=True,
-        strategy=strategy,
         global_step=3,
         precision="32-true",
         precision_plugin=SimpleNamespace(forward_context=nullcontext),

@@ -141,6 +141,22 @@ class TestResume:
         assert len(seen) == len(set(seen)) == 6 * 2 * world_size
 
 
+class TestDataParallelRank:
+    """The rank and size the loaders read: the constructor's overrides, else what the training module passed from
+    its layout, else the trainer's processes, else one process; never the process group's own rank."""
+
+    def test_the_ranks_the_module_passes_decide_the_share(self, corpus, qwen_tokenizer_dir):
+        told = _dm(corpus, qwen_tokenizer_dir)
+        assert told.data_parallel_rank() == (0, 1), "no trainer, nothing passed: one process reads everything"
+        told.use_data_parallel(1, 2)
+        assert told.data_parallel_rank() == (1, 2)
+        share = _signature(_take(told.train_dataloader(), 3))
+        assert share == _signature(_take(_dm(corpus, qwen_tokenizer_dir, rank=1, world_size=2).train_dataloader(), 3))
+        overridden = _dm(corpus, qwen_tokenizer_dir, rank=0, world_size=4)
+        overridden.use_data_parallel(1, 2)
+        assert overridden.data_parallel_rank() == (0, 4), "the constructor's overrides win"
+
+
 class TestResumeWithWorkers:
     def test_prefetching_workers_do_not_advance_state(self, corpus, qwen_tokenizer_dir):
         dm = _dm(corpus, qwen_tokenizer_dir, num_workers=2)

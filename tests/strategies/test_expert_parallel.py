@@ -59,7 +59,7 @@ def _model(family: str, meta: bool = False) -> torch.nn.Module:
     return model
 
 
-def _step(model, batches, dp_world_size):
+def _step(model, batches, dp_world_size, group=None):
     result = forward_backward(
         forward=lambda mb: model(seq_ctx=mb[0], labels=mb[1], return_logits=False),
         micro_batches=batches,
@@ -67,7 +67,7 @@ def _step(model, batches, dp_world_size):
         dp_world_size=dp_world_size,
         backward=lambda loss: loss.backward(),
         device=torch.device("cpu"),
-        group=dist.group.WORLD if dist.is_initialized() else None,  # the data group: every rank here
+        group=group,
         gradient_sync=getattr(model, "set_requires_gradient_sync", None),
     )
     loads = torch.stack([out["tokens_per_expert"] for out in result.outputs]).sum(0).float()
@@ -133,7 +133,7 @@ def _worker(rank: int, port: int, out_path: str) -> None:
         model = _sharded_model(family, meshes)
         init = {name: _full(p).detach().clone() for name, p in model.named_parameters()}
         model.save_hf(f"{out_path}.hf.{family}")
-        result, loads = _step(model, batches, WORLD)
+        result, loads = _step(model, batches, WORLD, meshes.data_group())
         loss_sum = result.loss_sum.clone()
         dist.all_reduce(loss_sum)
         dist.all_reduce(loads)
@@ -160,7 +160,7 @@ def _efsdp_worker(rank: int, port: int, out_path: str) -> None:
     results = {}
     for family in FAMILIES:
         model = _sharded_model(family, meshes)
-        result, _ = _step(model, _micro_batches()[rank : rank + 1], 4)
+        result, _ = _step(model, _micro_batches()[rank : rank + 1], 4, meshes.data_group())
         loss_sum = result.loss_sum.clone()
         dist.all_reduce(loss_sum)
         grads = {name: _full(p.grad) for name, p in model.named_parameters()}

@@ -7,13 +7,19 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from tests.cli.test_cli import ROOT, SMALL_MODEL
+from tests.train.conftest import TINY_MODEL
 from tests.train.test_step import _free_port
 from xtl.errors import ConfigError
-from xtl.strategies.layout import ParallelLayout
+from xtl.strategies.layout import ParallelLayout, ParallelMeshes, broadcast_object
+from xtl.strategies.parallelize import ParallelizingStrategy
 
 HSDP = (
     "trainer:\n  strategy:\n    class_path: xtl.strategies.FSDPStrategy\n    init_args:\n"
@@ -52,6 +58,53 @@ class TestParallelLayout:
     def test_a_bad_layout_names_the_strategy_keys(self, kwargs, message):
         with pytest.raises(ConfigError, match=message):
             ParallelLayout.for_world(**kwargs)
+
+
+class _OneRankLayout(ParallelizingStrategy):
+    """A sharded strategy whose layout is this rank alone, inside a process group of two: what several runs sharing
+    one process group see (every collective of a run must stay within its layout's groups)."""
+
+    shards_parameters = True
+    root_device = torch.device("cpu")
+
+    def __init__(self) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        alone = init_device_mesh("cpu", (2, 1), mesh_dim_names=("runs", "rank"))["rank"]
+        self.meshes = ParallelMeshes(self.layout, alone, alone, None, None)
+
+
+def _groups_worker(rank: int, port: int, out: str) -> None:
+    from xtl.train import LanguageModule
+    from xtl.train.step import global_token_count
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        strategy = _OneRankLayout()
+        module = LanguageModule(TINY_MODEL)
+        module._trainer = SimpleNamespace(strategy=strategy, global_rank=0)
+        fillers = [real for _, real in module.eval_micro_batches([object()] * (rank + 1))].count(False)
+        result = {
+            "tokens": float(global_token_count(3 + rank, torch.device("cpu"), strategy.data_group())),
+            "summed": float(module._sum_over_data_ranks(torch.tensor(10.0 + rank))),
+            "fillers": fillers,
+            "shared": broadcast_object(f"rank {rank}", strategy.world_group()),
+        }
+        torch.save(result, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+class TestCollectivesNameTheirGroup:
+    def test_a_one_rank_layout_in_a_two_rank_process_group_stays_alone(self, tmp_path):
+        """Token count, logged sums, the evaluation's forward count and rank 0's shared objects reduce over the
+        layout's groups: over the process group's default group they would mix the two runs."""
+        out = str(tmp_path / "groups")
+        mp.spawn(_groups_worker, args=(_free_port(), out), nprocs=2, join=True)
+        for rank in range(2):
+            got = torch.load(f"{out}.{rank}")
+            assert got == {"tokens": 3.0 + rank, "summed": 10.0 + rank, "fillers": 0, "shared": f"rank {rank}"}
 
 
 @pytest.fixture(scope="class")

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -307,6 +309,49 @@ class TestParallelLayouts:
         assert ep8.parts["layer_mlp"]["params"] == pytest.approx(
             ep1.parts["layer_mlp"]["params"] - experts * 2 * 7 / 8
         )
+
+    def test_the_layout_is_xtls(self, capsys: pytest.CaptureFixture) -> None:
+        """``dp`` is the layout's ``dp_size``: 8 GPUs at cp 4 are 2 data-parallel ranks (as the sampler counts them),
+        while parameters are sharded over all 8; the report and the recipe reader name the same layout."""
+        from xtl.strategies.layout import ParallelLayout
+
+        setup = TrainSetup(seq_len=65536, cp=4)
+        assert setup.layout == ParallelLayout.for_world(8, cp=4)
+        assert (setup.dp, setup.shard, setup.edp) == (2, 8, 8)
+        assert memory.main(["qwen3-8b", "--cp", "4", "--seq-len", "65536"]) == 0
+        assert ", gpus 8, dp_replicate 1 x dp_shard 2 x cp 4 (dp 2), ep 1, tp 1," in capsys.readouterr().out
+        options = _json(capsys, "qwen3-8b", "--cp", "4", "--seq-len", "65536", "--recompute", "full")
+        recipe = _json(capsys, "--config", str(ROOT / "configs/qwen3_8b_long_context.yaml"), "qwen3-8b")
+        assert {k: options["setup"][k] for k in ("gpus", "dp", "dp_shard", "edp", "cp")} == {
+            "gpus": 8, "dp": 2, "dp_shard": 2, "edp": 8, "cp": 4,
+        }  # fmt: skip
+        assert recipe["phases"] == options["phases"], "the same physical run"
+        assert "dp_replicate 1 x dp_shard 2 x cp 4, dp 2 (trainer.strategy" in recipe["recipe"]["read_from"]["layout"]
+        experts = TrainSetup(nodes=2, ep=8, tp=2, zero=1)  # experts are not split by tp: sharded over 16 / 8 GPUs
+        assert (experts.layout.dp_shard, experts.layout.edp, experts.edp) == (8, 1, 2)
+
+    @pytest.mark.parametrize(
+        ("kwargs", "message"),
+        [
+            ({"nodes": 3, "cp": 3}, "cp=3 is modelled with ZeRO-3 and tp 1; it must divide the 24 GPUs and the 32"),
+            ({"cp": 3}, "cp=3 is modelled with ZeRO-3 and tp 1; it must divide the 8 GPUs"),
+            ({"cp": 2, "dp_replicate": 3}, r"must divide the 4 GPUs of dp_replicate x dp_shard \(GPUs / cp\)"),
+            ({"ep": 16, "model": "qwen3-30b-a3b"}, r"ep=16 must divide the 8 GPUs a parameter is sharded over"),
+        ],
+    )
+    def test_a_layout_that_does_not_fit_is_refused(self, kwargs: dict, message: str) -> None:
+        model = kwargs.pop("model", "qwen3-8b")
+        with pytest.raises(ToolInputError, match=message):
+            estimate_memory(model, TrainSetup(**kwargs))
+
+    def test_the_estimate_loads_no_lightning(self) -> None:
+        """The layout comes from ``xtl.strategies.layout`` without Lightning, so ``xtl memory`` starts quickly."""
+        code = (
+            "import sys\nfrom xtl.tools.memory import TrainSetup, estimate_memory\n"
+            "estimate_memory('qwen3-8b', TrainSetup(cp=2))\nassert 'lightning' not in sys.modules, 'lightning'\n"
+        )
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
 
     def test_zero1_pipeline_keeps_micro_batches_in_flight(self) -> None:
         setup = dict(nodes=8, zero=1, pp=4, tp=2, seq_len=4096, recompute="none", chunk_loss=1024)

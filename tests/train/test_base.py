@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 import lightning.pytorch as pl
 import pytest
@@ -13,9 +14,13 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.overrides import TorchFunctionMode
 from transformers import AutoModelForCausalLM
 
+from tests.composition.matrix import FAMILIES
 from xtl.callbacks import HFExport
+from xtl.errors import ConfigError
 from xtl.ops import hf_impl
-from xtl.strategies import AtomicCheckpointIO
+from xtl.strategies import AtomicCheckpointIO, SingleDevice
+from xtl.strategies.capability import Refusal, check_context_parallel
+from xtl.strategies.layout import ParallelLayout
 from xtl.train import AdamWConfig, LanguageModule, RouterTraining, ScheduleConfig
 
 from .conftest import TINY_MODEL
@@ -280,3 +285,55 @@ class TestPrecision:
         trainer = make_trainer(1, strategy=FSDPStrategy(cpu_offload=True, process_group_backend="gloo"))
         with pytest.raises(ConfigError, match="cpu_offload .* remove cpu_offload"):
             trainer.fit(LanguageModule(model=TINY_MODEL), datamodule=make_datamodule())
+
+
+class TestContextParallelDeclarations:
+    """What ``LanguageModule`` declares under context parallelism (asked once at startup by the strategy):
+    next-token training, validation and test run; the decoding of ``predict`` and multi-token prediction do not."""
+
+    CP2 = ParallelLayout(dp_shard=2, cp=2)
+
+    def test_training_runs_and_predict_is_refused(self):
+        module = LanguageModule(TINY_MODEL)
+        for stage in ("fit", "validate", "test"):
+            check_context_parallel(self.CP2, [module], stage)
+        with pytest.raises(
+            ConfigError, match="but xtl predict / generate decode whole prompts on each process; leave"
+        ):
+            check_context_parallel(self.CP2, [module], "predict")
+
+    def test_multi_token_prediction_is_refused(self):
+        (mla,) = [family.model for family in FAMILIES if family.name == "mla"]
+        module = LanguageModule({**mla, "mtp_layers": 1})
+        message = r"but mtp_layers: multi-token prediction shifts tokens across context-parallel shares \(set mtp_"
+        with pytest.raises(ConfigError, match=message):
+            check_context_parallel(self.CP2, [module], "fit")
+
+    def test_an_objective_declares_per_instance(self):
+        """An objective whose refusal depends on its settings (e.g. a mode computed whole packs per rank) declares
+        it on the instance."""
+
+        class Objective(LanguageModule):
+            def __init__(self, whole_packs: bool, **kwargs) -> None:
+                super().__init__(**kwargs)
+                self.whole_packs = whole_packs
+
+            def context_parallel_refusal(self, stage: str) -> Refusal | None:
+                return Refusal("Objective.whole_packs computes whole packs") if self.whole_packs else None
+
+        check_context_parallel(self.CP2, [Objective(False, model=TINY_MODEL)], "fit")
+        with pytest.raises(ConfigError, match="but Objective.whole_packs computes whole packs; leave it out"):
+            check_context_parallel(self.CP2, [Objective(True, model=TINY_MODEL)], "fit")
+
+
+class TestDataRanks:
+    def test_setup_gives_the_data_module_the_layouts_data_rank(self, make_datamodule):
+        """Rank 3 of ``dp_shard 2 x cp 2`` reads the share of data rank 1 of 2 (ranks 2 and 3 share a sequence),
+        not the share of its process rank."""
+        strategy = SingleDevice()
+        strategy.layout = ParallelLayout(dp_shard=2, cp=2)
+        datamodule = make_datamodule()
+        module = LanguageModule(TINY_MODEL)
+        module._trainer = SimpleNamespace(strategy=strategy, datamodule=datamodule, global_rank=3)
+        module.setup("fit")
+        assert datamodule.data_parallel_rank() == (1, 2)

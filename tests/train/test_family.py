@@ -258,6 +258,7 @@ class TestMTPTraining:
             dp_world_size=1,
             backward=lambda loss: loss.backward(),
             device=torch.device("cpu"),
+            group=None,
             extra_loss=extra_loss,
         )
         losses.after_optimizer_step(model, [], torch.ones(()), ranks)

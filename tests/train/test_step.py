@@ -56,7 +56,7 @@ def _merged(batches):
     return SequenceContext.from_lengths(ids, lengths), torch.cat([lab for _, lab in batches], dim=1)
 
 
-def _step(model, batches, dp_world_size):
+def _step(model, batches, dp_world_size, group=None):
     return forward_backward(
         forward=lambda mb: model(seq_ctx=mb[0], labels=mb[1], return_logits=False),
         micro_batches=batches,
@@ -64,7 +64,7 @@ def _step(model, batches, dp_world_size):
         dp_world_size=dp_world_size,
         backward=lambda loss: loss.backward(),
         device=torch.device("cpu"),
-        group=dist.group.WORLD if dist.is_initialized() else None,  # the data group: every rank here
+        group=group,
         gradient_sync=getattr(model, "set_requires_gradient_sync", None),
     )
 
@@ -77,7 +77,7 @@ def _fsdp_worker(rank: int, world: int, port: int, out_path: str) -> None:
     model = _model()
     fully_shard_model(model, mesh=init_device_mesh("cpu", (world,)))
     batches = _micro_batches()[2 * rank : 2 * rank + 2]
-    result = _step(model, batches, world)
+    result = _step(model, batches, world, dist.group.WORLD)
     norm = grad_norm_and_clip(list(model.parameters()), None)
     grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
     # a model initialized after sharding equals the unsharded initialization

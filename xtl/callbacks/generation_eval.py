@@ -13,11 +13,12 @@ from lightning.pytorch.trainer.states import TrainerFn
 from xtl.callbacks._run import run_datamodule
 from xtl.data.item import DataError
 from xtl.errors import ConfigError
+from xtl.strategies.capability import ContextParallelFeature, Refusal
 from xtl.train.generation import GenerationConfig, chat_prompt_ids, generate, split_thinking
 from xtl.utils import resolve_path
 
 
-class GenerationEval(pl.Callback):
+class GenerationEval(pl.Callback, ContextParallelFeature):
     """Greedy-decode the prompts of a JSONL eval set and log the share of correct answers.
 
     Each line holds ``messages`` (the last assistant turn, if present, is dropped from the prompt) and the expected
@@ -60,13 +61,12 @@ class GenerationEval(pl.Callback):
         self.batch_size = batch_size
         self.history: list[tuple[int, float]] = []
 
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """Refuse context parallelism: decoding runs whole prompts on each process."""
-        if pl_module.parallelizer.layout.cp > 1:
-            raise ConfigError(
-                "GenerationEval decodes whole prompts on each process; with trainer.strategy.init_args."
-                "context_parallel_size > 1 drop callbacks/eval.yaml (or set the size to 1)"
-            )
+    def context_parallel_refusal(self, stage: str) -> Refusal | None:
+        """Refused under context parallelism: decoding runs whole prompts on each process."""
+        return Refusal(
+            "GenerationEval decodes whole prompts on each process",
+            "drop GenerationEval from trainer.callbacks: callbacks/eval.yaml",
+        )
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         """Evaluate every ``every_n_steps`` steps."""

@@ -9,12 +9,12 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from lightning.pytorch.trainer.states import TrainerFn
 
 from xtl.callbacks._run import run_datamodule
 from xtl.callbacks.lm_eval_run import EvalSettings, flat_metrics, require_lm_eval, resolve_tasks, run_lm_eval
 from xtl.errors import ConfigError
+from xtl.strategies.layout import broadcast_object
 from xtl.utils import atomic_write_bytes
 
 
@@ -24,10 +24,11 @@ class LMEval(pl.Callback):
 
     The model answers lm-eval's requests in place (:class:`~xtl.callbacks.lm_eval_model.XTLLM`: packed
     log-likelihoods, cached greedy generation); under FSDP or expert parallelism every rank takes a share of the
-    requests and rank 0 scores them. Metrics go to every logger as ``eval/<task>/<metric>`` (at the training step),
-    and lm-eval's results as JSON to ``<dirpath>/step_<N>.json``. The training state is left as it was: the model's
-    mode, no gradients, and the random generators (lm-eval seeds them for its few-shot sampling; they are restored),
-    so a run's losses are the same with and without the callback, and resume stays exact.
+    requests and rank 0 scores them; under context parallelism a context-parallel group takes a share, each of its
+    ranks scoring its part of every packed row. Metrics go to every logger as ``eval/<task>/<metric>`` (at the
+    training step), and lm-eval's results as JSON to ``<dirpath>/step_<N>.json``. The training state is left as it
+    was: the model's mode, no gradients, and the random generators (lm-eval seeds them for its few-shot sampling; they
+    are restored), so a run's losses are the same with and without the callback, and resume stays exact.
 
     Args:
         tasks: lm-eval task or group names, task YAML files (local JSONL data next to them), or the shipped tiny
@@ -118,7 +119,7 @@ class LMEval(pl.Callback):
         if self._resolved is None:
             self._resolved = resolve_tasks(self.settings)
         datamodule = run_datamodule(trainer)
-        group = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+        group = pl_module.parallelizer.world_group()  # every rank of the layout takes a share of the requests
         lm = XTLLM(
             pl_module.model,
             datamodule.load_tokenizer(),
@@ -134,10 +135,7 @@ class LMEval(pl.Callback):
         results = run_lm_eval(lm, self.settings, *self._resolved)
         seconds = time.perf_counter() - start
         metrics = flat_metrics(results) if results is not None else {}
-        if group is not None and dist.get_world_size() > 1:
-            shared = [metrics]
-            dist.broadcast_object_list(shared, src=0)
-            metrics = shared[0]
+        metrics = broadcast_object(metrics, group)  # scored on the group's first rank
         step = trainer.global_step
         if trainer.is_global_zero and results is not None:
             root = Path(self.dirpath) if self.dirpath else Path(trainer.default_root_dir) / "lm_eval"

@@ -19,13 +19,15 @@ from xtl.model.parity import (
     resolve_tolerance,
     run_parity_check,
 )
+from xtl.strategies.capability import ContextParallelFeature, Refusal
+from xtl.strategies.layout import broadcast_object
 from xtl.utils import atomic_write_bytes
 
 _ON_FAIL = ("raise", "warn")
 _DTYPES = ("float32", "bfloat16", "float16")
 
 
-class HFParityCheck(pl.Callback):
+class HFParityCheck(pl.Callback, ContextParallelFeature):
     """Compare the run's model with transformers' eager model on a real micro-batch of the run.
 
     At the first training batch of a fit (weights loaded or initialized, before the first optimizer step) and,
@@ -104,23 +106,24 @@ class HFParityCheck(pl.Callback):
         self.reports: list[ParityReport] = []
         self._started = False
 
+    def context_parallel_refusal(self, stage: str) -> Refusal | None:
+        """Refused under context parallelism: the check runs whole documents on each process."""
+        return Refusal(
+            "HFParityCheck runs whole documents on each process",
+            "drop HFParityCheck from trainer.callbacks: callbacks/parity_check.yaml",
+        )
+
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Refuse a model the check does not cover, before any weight is loaded.
 
         Raises:
-            ConfigError: For a vision-language model (the check compares decoder-only text models), or under
-                context parallelism (it runs whole documents on each process).
+            ConfigError: For a vision-language model (the check compares decoder-only text models).
         """
         config = pl_module.model_config
         if config.vision_language:
             raise ConfigError(
                 f"HFParityCheck compares decoder-only text models with transformers; {type(config).__name__} has a "
                 "vision tower: drop callbacks/parity_check.yaml from this run"
-            )
-        if pl_module.parallelizer.layout.cp > 1:
-            raise ConfigError(
-                "HFParityCheck runs whole documents on each process; with trainer.strategy.init_args."
-                "context_parallel_size > 1 drop callbacks/parity_check.yaml from this run"
             )
 
     def on_train_batch_start(
@@ -140,10 +143,11 @@ class HFParityCheck(pl.Callback):
         Raises:
             ParityCheckError: On every rank, when a bound is exceeded and ``on_fail`` is ``raise``.
         """
+        group = pl_module.parallelizer.world_group()  # every rank of the layout runs the (sharded) model
         documents = None
         if trainer.is_global_zero and micro_batch is not None:
             documents = ParityDocuments.from_packed(micro_batch.seq_ctx, micro_batch.labels, self.max_tokens)
-        documents = trainer.strategy.broadcast(documents, src=0)
+        documents = broadcast_object(documents, group)
         if documents is None:
             return None
         step = trainer.global_step
@@ -166,7 +170,7 @@ class HFParityCheck(pl.Callback):
             self.reports.append(report)
             self._publish(trainer, report)
             message = report.failure_message()
-        message = trainer.strategy.broadcast(message, src=0)
+        message = broadcast_object(message, group)
         if message:
             if self.on_fail == "raise":
                 raise ParityCheckError(message, report)

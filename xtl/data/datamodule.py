@@ -106,7 +106,8 @@ class XTLDataModule(pl.LightningDataModule):
         pretrain_eos_token (str | None): EOS appended to ``kind: text`` documents (default: the tokenizer's).
         tokenize_workers (int | None): Processes for building the cache (default: up to 8 for large sources).
         val_micro_batches (int | None): Packs per rank per validation step (default ``micro_batches_per_step``).
-        rank (int | None): Data-parallel rank override (default: from the trainer, else torch.distributed, else 0).
+        rank (int | None): Data-parallel rank override (default: the training module's parallel layout, see
+            :meth:`use_data_parallel`).
         world_size (int | None): Data-parallel world size override.
         progress (bool): Show tokenization progress bars.
         test_sources (dict[str, list[SourceSpec]] | None): Named test sets (``xtl test``), as ``val_sources``.
@@ -206,6 +207,7 @@ class XTLDataModule(pl.LightningDataModule):
         self.val_micro_batches = val_micro_batches or micro_batches_per_step
         self._rank = rank
         self._world_size = world_size
+        self._data_parallel: tuple[int, int] | None = None
         self.progress = progress
         self.tokenizer: Any = None
         self.train_split: PackedSplit | None = None
@@ -238,7 +240,7 @@ class XTLDataModule(pl.LightningDataModule):
         self.train_split = self._split(self.sources, self.packing, self.pack_preset, "data.sources")
         report = self.train_split.plan.report()
         log.info("xtl data: %s sources %s, packing %s", self.packing, self.train_split.data.summary(), report)
-        if self.data_parallel_rank()[0] == 0:
+        if self.trainer is None or self.trainer.is_global_zero:
             summary = packing_summary(report, self.pack_max_length, len(self.sources), self.train_split.dropped_rows)
             print(summary, flush=True)
         eval_packing = "best_fit" if self.packing == "preset" else self.packing
@@ -400,22 +402,33 @@ class XTLDataModule(pl.LightningDataModule):
             kwargs["prefetch_factor"] = self.prefetch_factor
         return kwargs
 
+    def use_data_parallel(self, rank: int, size: int) -> None:
+        """Read the share of data-parallel rank ``rank`` of ``size`` ranks that read different data.
+
+        xtl's training module passes its parallel layout's ``data_rank`` and ``dp_size`` at setup (every rank of a
+        context-parallel group reads the same data), before any loader is made.
+
+        Args:
+            rank (int): This process's data-parallel rank.
+            size (int): Data-parallel ranks.
+        """
+        self._data_parallel = (rank, size)
+
     def data_parallel_rank(self) -> tuple[int, int]:
-        """``(rank, world_size)`` of data parallelism: explicit overrides, the trainer's strategy, torch.distributed.
+        """``(rank, world_size)`` of data parallelism: the constructor's overrides, else what the training module
+        passed (:meth:`use_data_parallel`), else each of the trainer's processes reads its own share (a module that
+        passes no layout), else one process reads everything.
 
         Returns:
             tuple[int, int]: Rank and world size.
         """
         if self._rank is not None or self._world_size is not None:
             return self._rank or 0, self._world_size or 1
+        if self._data_parallel is not None:
+            return self._data_parallel
         trainer = self.trainer
         if trainer is not None:
-            kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None)
-            if kwargs:
-                return int(kwargs.get("rank", 0)), int(kwargs.get("num_replicas", 1))
             return trainer.global_rank, trainer.world_size
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            return torch.distributed.get_rank(), torch.distributed.get_world_size()
         return 0, 1
 
     def load_tokenizer(self) -> Any:

@@ -15,6 +15,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from xtl.errors import ConfigError
 from xtl.model import BaseModel
+from xtl.strategies.capability import check_context_parallel
 from xtl.strategies.checkpoint_io import LIGHTNING_METADATA, raise_if_unreadable
 from xtl.strategies.expert_parallel import shard_experts, split_experts
 from xtl.strategies.layout import ParallelLayout
@@ -110,7 +111,9 @@ class FSDPStrategy(ShardedStrategyMixin, ModelParallelStrategy):
         self._interrupted = False
 
     def setup_environment(self) -> None:
-        """Set explicit sizes (Lightning's defaults are per node), then lay the ranks out and build the meshes."""
+        """Set explicit sizes (Lightning's defaults are per node), then lay the ranks out, refuse the run's features
+        that do not run on the layout (:func:`~xtl.strategies.capability.check_context_parallel`: once, before any
+        data is prepared) and build the meshes."""
         self._data_parallel_size = self.num_nodes * self.num_processes
         self._tensor_parallel_size = 1
         super().setup_environment()
@@ -123,6 +126,10 @@ class FSDPStrategy(ShardedStrategyMixin, ModelParallelStrategy):
         self.layout = ParallelLayout.for_world(
             self.world_size, replicate, shard, self.expert_parallel_size, self.context_parallel_size
         )
+        module = self.lightning_module
+        if module is not None:
+            trainer = module.trainer
+            check_context_parallel(self.layout, [module, *trainer.callbacks], trainer.state.fn.value)
         self.meshes = self.layout.build(self.root_device.type)
 
     @property

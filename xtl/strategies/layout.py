@@ -20,7 +20,7 @@ exchange tokens over the ``ep`` mesh, and the sampler reads :meth:`ParallelLayou
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypeVar
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -28,6 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from xtl.errors import ConfigError
 
 KEY = "trainer.strategy.init_args"
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -51,10 +52,10 @@ class ParallelLayout:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"parallel layout: {name} must be a whole number >= 1, got {value!r}")
-        if (self.dp_shard * self.cp) % self.ep:
+        if self.shard_size % self.ep:
             raise ConfigError(
                 f"{KEY}.expert_parallel_size ({self.ep}) must divide the ranks a parameter is sharded over "
-                f"({self.dp_shard * self.cp}); choose a divisor"
+                f"({self.shard_size}); choose a divisor"
             )
         if self.ep > 1 and self.dp_replicate > 1:
             raise ConfigError(
@@ -101,9 +102,14 @@ class ParallelLayout:
         return self.dp_replicate * self.dp_shard
 
     @property
+    def shard_size(self) -> int:
+        """Ranks a dense parameter is sharded over (``dp_shard * cp``: the ``cp`` ranks shard parameters too)."""
+        return self.dp_shard * self.cp
+
+    @property
     def edp(self) -> int:
         """Ranks each expert slice is FSDP-sharded over (``dp_shard * cp / ep``)."""
-        return self.dp_shard * self.cp // self.ep
+        return self.shard_size // self.ep
 
     @property
     def sharded(self) -> bool:
@@ -136,7 +142,7 @@ class ParallelLayout:
             fsdp = mesh["edp", "ep"]._flatten("dp_shard")
             return ParallelMeshes(self, fsdp, fsdp, mesh["ep"], mesh["edp"], cp)
         mesh = init_device_mesh(
-            device_type, (self.dp_replicate, self.dp_shard * self.cp), mesh_dim_names=("dp_replicate", "dp_shard")
+            device_type, (self.dp_replicate, self.shard_size), mesh_dim_names=("dp_replicate", "dp_shard")
         )
         data = mesh["dp_replicate", "dp_shard"]._flatten("data")
         fsdp = mesh if self.dp_replicate > 1 else mesh["dp_shard"]
@@ -165,9 +171,27 @@ class ParallelMeshes:
     cp: DeviceMesh | None = None
 
     def data_group(self) -> dist.ProcessGroup | None:
-        """The process group of :attr:`data` (``None`` on one rank)."""
+        """The process group of :attr:`data` (``None`` on one rank): the ranks whose tokens make up a step (each
+        ``cp`` rank holds a share of its sequence), over which token counts, losses and statistics sum."""
         return None if self.data is None else self.data.get_group()
+
+    def world_group(self) -> dist.ProcessGroup | None:
+        """Every rank of the layout (``None`` on one rank): the ranks every sharded forward spans, which must run
+        as many forwards as each other and share what one of them computed (evaluation results). The data mesh
+        spans them all in every layout xtl builds; the process's default group need not be this group (several
+        runs may share one process group)."""
+        return self.data_group()
 
     def cp_group(self) -> dist.ProcessGroup | None:
         """The process group of :attr:`cp` (``None`` without context parallelism)."""
         return None if self.cp is None else self.cp.get_group()
+
+
+def broadcast_object(obj: T, group: dist.ProcessGroup | None) -> T:
+    """The first rank of ``group``'s ``obj`` (any picklable object), on every rank of ``group`` (collective over it);
+    ``obj`` itself when ``group`` is ``None`` (one rank)."""
+    if group is None:
+        return obj
+    shared = [obj]
+    dist.broadcast_object_list(shared, group=group, group_src=0)
+    return shared[0]

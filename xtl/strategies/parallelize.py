@@ -193,6 +193,10 @@ class ParallelizingStrategy(ABC):
         """The process group the token count and router statistics sum over (``None``: one rank)."""
         return self.meshes.data_group()
 
+    def world_group(self) -> Any:
+        """The process group of every rank of the layout, which every sharded forward spans (``None``: one rank)."""
+        return self.meshes.world_group()
+
     def parallelize(self, model: BaseModel, transforms: Sequence[ModelTransform], weights: WeightSource) -> BaseModel:
         """Run the ordered sequence on ``model`` (built on ``meta``) and return the trainable model."""
         for transform in sorted(transforms, key=lambda t: t.transform_stage):  # stable: callback order per stage

@@ -369,20 +369,24 @@ def _cp_worker(rank: int, port: int, out: str, seq_len: int, seed: int) -> None:
 
     from xtl.data import Pack, collate_pack
     from xtl.data.collate import split_for_context_parallel
+    from xtl.strategies.layout import ParallelLayout
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    layout = ParallelLayout(cp=2)
+    dist.init_process_group("gloo", rank=rank, world_size=layout.world_size)
+    meshes = layout.build("cpu")
     generator = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, tiny_dense_config()["vocab_size"], (seq_len,), generator=generator).numpy()
-    share = split_for_context_parallel(collate_pack(Pack(0, ids, ids.copy(), [seq_len])), rank, 2)
+    pack = collate_pack(Pack(0, ids, ids.copy(), [seq_len]))
+    share = split_for_context_parallel(pack, layout.context_rank(rank), layout.cp)
     results = {}
     for mode, options in CP_MODES.items():
         kept = []
         for fields in (tiny_xtl_fields(4), tiny_xtl_fields(2)):
             model, _ = _build_xtl(fields, options, seed)
             for module in model.attention_modules():
-                module.use_context_parallel(dist.group.WORLD)
+                module.use_context_parallel(meshes.cp_group())
             params = {p.untyped_storage()._cdata for p in model.parameters()}
             created = CreatedStorages()
             with created:
@@ -390,8 +394,8 @@ def _cp_worker(rank: int, port: int, out: str, seq_len: int, seed: int) -> None:
             gpu = created.settled_alive_bytes(params)  # gloo's worker threads drop their buffers late
             (out_.loss_sum / (seq_len - 1)).backward()  # the mean over the whole sequence's targets
             grads = [p.grad.detach().clone() for p in model.parameters()]
-            for grad in grads:
-                dist.all_reduce(grad)
+            for grad in grads:  # the shares' gradients sum over the data group
+                dist.all_reduce(grad, group=meshes.data_group())
             kept.append((gpu, grads))
         results[mode] = (kept[0], kept[1][0])
     if rank == 0:

@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 
 from huggingface_hub.errors import StrictDataclassError
 
-from xtl.errors import UserError, short_message
+from xtl.errors import ConfigError, UserError, short_message
 from xtl.model import MODEL_TYPES, alias_names, get_model_config
 from xtl.model.dims import ModelDims
 from xtl.tools._cli import EXIT_CODES_HELP, EXIT_FAILED, EXIT_OK, ToolInputError, make_parser, run_cli
@@ -56,6 +56,7 @@ from xtl.tools.memory_recipe import Recipe, parse_memory_size, read_recipe
 
 if TYPE_CHECKING:
     from xtl.model.dense.config import DenseConfig
+    from xtl.strategies.layout import ParallelLayout
     from xtl.tools._memory_measure import MeasureResult
 
 GIB = 1024**3
@@ -88,20 +89,27 @@ memory stated by --gpu-memory or a recipe's `# gpu-memory:` line)"""
 class TrainSetup:
     """Parallel layout, sequence and memory-saving options of a training run.
 
+    The GPUs of one tensor- and pipeline-parallel position (all of them at ``tp = pp = 1``) form xtl's
+    :class:`~xtl.strategies.layout.ParallelLayout` (:attr:`layout`): ``dp_replicate x dp_shard x cp``, ``ep`` inside
+    the shard group; ``dp_shard`` is what the others leave. ``tp`` and ``pp`` (Megatron-style, ZeRO-1) are modelled
+    here only.
+
     Args:
         nodes (int): Number of nodes.
         gpus_per_node (int): GPUs per node.
         tp (int): Tensor-parallel size (sequence parallel assumed for activations).
         pp (int): Pipeline-parallel size (ZeRO-1 only).
         vpp (int): Virtual pipeline stages per rank (interleaved 1F1B).
-        ep (int): Expert-parallel size.
+        ep (int): Expert-parallel size (``ParallelLayout.ep``): routed experts split over ``ep`` GPUs of the shard
+            group, each slice sharded over the ``edp`` others.
         zero (int): 1 (optimizer states sharded) or 3 (FSDP: parameters, gradients and states sharded).
-        dp_replicate (int): ZeRO-3 replicas (HSDP, xtl's ``ParallelLayout.dp_replicate``): parameters, gradients
-            and states are sharded over the ``dp / dp_replicate`` ranks of one replica.
-        cp (int): Context-parallel size (ZeRO-3): each group of ``cp`` GPUs trains one sequence, ``1 / cp`` of its
-            tokens each, with Ulysses attention (the gathered q/k/v/output of ``heads / cp`` heads, key/value heads
-            repeated up to a multiple of ``cp``, and one block's all-to-all buffers); parameters are sharded over
-            all ``dp`` ranks, the ``cp`` ones included.
+        dp_replicate (int): ZeRO-3 replicas (HSDP, ``ParallelLayout.dp_replicate``): parameters, gradients and
+            states are sharded over the ``dp_shard x cp`` GPUs of one replica.
+        cp (int): Context-parallel size (``ParallelLayout.cp``, ZeRO-3): each group of ``cp`` GPUs trains one
+            sequence, ``1 / cp`` of its tokens each, with Ulysses attention (the gathered q/k/v/output of
+            ``heads / cp`` heads, key/value heads repeated up to a multiple of ``cp``, and one block's all-to-all
+            buffers); the ``cp`` GPUs shard parameters with the ``dp_shard`` ones and read the same data (``dp``
+            counts them once).
         seq_len (int): Tokens per sequence.
         micro_batch_size (int): Sequences per micro-batch.
         recompute (str): Activation checkpointing of the decoder layers: ``none``, ``full`` (a layer keeps its
@@ -175,14 +183,38 @@ class TrainSetup:
         return self.nodes * self.gpus_per_node
 
     @property
+    def layout(self) -> ParallelLayout:
+        """ParallelLayout: xtl's layout of the GPUs of one tensor- and pipeline-parallel position.
+
+        Raises:
+            ToolInputError: The sizes form no layout.
+        """
+        from xtl.strategies.layout import ParallelLayout
+
+        try:
+            return ParallelLayout.for_world(
+                self.gpus // (self.tp * self.pp), self.dp_replicate, "auto", self.ep, self.cp
+            )
+        except ConfigError as exc:
+            raise ToolInputError(short_message(exc)) from None
+
+    @property
     def dp(self) -> int:
-        """int: Data-parallel size of the non-expert parameters."""
-        return self.gpus // (self.tp * self.pp)
+        """int: Data-parallel size: GPUs that read different data (``ParallelLayout.dp_size``, ``dp_replicate x
+        dp_shard``; the ``cp`` GPUs of a sequence count once)."""
+        return self.layout.dp_size
+
+    @property
+    def shard(self) -> int:
+        """int: GPUs a non-expert parameter (ZeRO-1: its optimizer state) is sharded over
+        (``ParallelLayout.shard_size``, ``dp_shard x cp``: one replica)."""
+        return self.layout.shard_size
 
     @property
     def edp(self) -> int:
-        """int: Data-parallel size of the routed experts."""
-        return self.gpus // (self.ep * self.pp)
+        """int: GPUs a routed-expert slice is sharded over: ``ParallelLayout.edp`` (``dp_shard x cp / ep``) times
+        ``tp`` (experts are not split by tensor parallelism)."""
+        return self.layout.edp * self.tp
 
 
 @dataclass
@@ -215,7 +247,7 @@ class MemoryEstimate:
         """
         return {
             "model": self.model,
-            "setup": asdict(self.setup) | {"dp": self.setup.dp, "edp": self.setup.edp, "gpus": self.setup.gpus},
+            "setup": asdict(self.setup) | _layout_fields(self.setup),
             "params": self.params,
             "parts_bytes": self.parts,
             "phases": {
@@ -235,9 +267,8 @@ class MemoryEstimate:
         """
         s, p = self.setup, self.params
         lines = [
-            f"model {self.model}: zero {s.zero}, gpus {s.gpus}, dp {s.dp}{_replicas_text(s)}, tp {s.tp}, pp {s.pp}, "
-            f"vpp {s.vpp}, cp {s.cp}, "
-            f"ep {s.ep}, micro-batch {s.micro_batch_size} x {s.seq_len} tokens, recompute {_recompute_text(s)}, "
+            f"model {self.model}: zero {s.zero}, gpus {s.gpus}, {_layout_text(s)}, tp {s.tp}, pp {s.pp}, "
+            f"vpp {s.vpp}, micro-batch {s.micro_batch_size} x {s.seq_len} tokens, recompute {_recompute_text(s)}, "
             f"offload {_offload_text(s)}, flash-attn {s.flash_attn}, chunk-loss {s.chunk_loss or 'off'}, "
             f"activations {s.act_bytes}-byte",
             *_lora_lines(s),
@@ -661,8 +692,16 @@ def _lora_lines(s: TrainSetup) -> list[str]:
     ]
 
 
-def _replicas_text(s: TrainSetup) -> str:
-    return f" (HSDP: {s.dp_replicate} replicas of {s.dp // s.dp_replicate} shards)" if s.dp_replicate > 1 else ""
+def _layout_text(s: TrainSetup) -> str:
+    """``dp_replicate 2 x dp_shard 4 x cp 1 (dp 8), ep 1`` (``ep 2 (edp 4)`` with experts split)."""
+    layout = s.layout
+    text = f"dp_replicate {layout.dp_replicate} x dp_shard {layout.dp_shard} x cp {layout.cp} (dp {s.dp})"
+    return text + (f", ep {s.ep} (edp {s.edp})" if s.ep > 1 else ", ep 1")
+
+
+def _layout_fields(s: TrainSetup) -> dict[str, int]:
+    """What the layout derives, for the JSON report's ``setup``."""
+    return {"gpus": s.gpus, "dp": s.dp, "dp_shard": s.layout.dp_shard, "edp": s.edp}
 
 
 def _recompute_text(s: TrainSetup) -> str:
@@ -681,6 +720,7 @@ def _offload_text(s: TrainSetup) -> str:
 
 def _validate(dims: ModelDims, s: TrainSetup) -> None:
     problems = []
+    ranks = s.gpus // (s.tp * s.pp) if min(s.tp, s.pp) >= 1 else 0  # the layout's GPUs: dp_replicate x dp_shard x cp
     if s.recompute not in RECOMPUTE_MODES:
         problems.append(f"recompute must be one of {', '.join(RECOMPUTE_MODES)}; got {s.recompute!r}")
     elif min(s.recompute_every_n_layers, s.offload_every_n_layers) < 1:
@@ -691,14 +731,22 @@ def _validate(dims: ModelDims, s: TrainSetup) -> None:
         problems.append(f"offload layers {list(s.offload_layers)} are out of range for {dims.num_layers} layers")
     elif min(s.nodes, s.gpus_per_node, s.tp, s.pp, s.vpp, s.ep, s.seq_len, s.micro_batch_size) < 1:
         problems.append("sizes must be >= 1")
-    elif s.gpus % (s.tp * s.pp) or s.gpus % (s.ep * s.pp):
-        problems.append(f"{s.gpus} GPUs are not divisible by tp*pp={s.tp * s.pp} and ep*pp={s.ep * s.pp}")
-    elif s.cp < 1 or s.dp % s.cp or (s.cp > 1 and (s.zero != 3 or s.tp > 1 or dims.num_heads % s.cp)):
+    elif s.gpus % (s.tp * s.pp):
+        problems.append(f"{s.gpus} GPUs are not divisible by tp*pp={s.tp * s.pp}")
+    elif s.cp < 1 or ranks % s.cp or (s.cp > 1 and (s.zero != 3 or s.tp > 1 or dims.num_heads % s.cp)):
         problems.append(
-            f"cp={s.cp} is modelled with ZeRO-3 and tp 1; it must divide dp={s.dp} and the {dims.num_heads} heads"
+            f"cp={s.cp} is modelled with ZeRO-3 and tp 1; it must divide the {ranks} GPUs and the "
+            f"{dims.num_heads} heads"
         )
-    elif s.dp_replicate < 1 or s.dp % s.dp_replicate or (s.dp_replicate > 1 and (s.zero != 3 or s.ep > 1)):
-        problems.append(f"dp_replicate={s.dp_replicate} needs ZeRO-3 without ep and must divide dp={s.dp}")
+    elif s.dp_replicate < 1 or (ranks // s.cp) % s.dp_replicate or (s.dp_replicate > 1 and (s.zero != 3 or s.ep > 1)):
+        problems.append(
+            f"dp_replicate={s.dp_replicate} needs ZeRO-3 without ep and must divide the {ranks // s.cp} GPUs of "
+            "dp_replicate x dp_shard (GPUs / cp)"
+        )
+    elif (ranks // s.dp_replicate) % s.ep:
+        problems.append(
+            f"ep={s.ep} must divide the {ranks // s.dp_replicate} GPUs a parameter is sharded over (dp_shard x cp)"
+        )
     elif s.zero == 3 and s.pp > 1:
         problems.append("pipeline parallelism is modelled with --zero 1 (Megatron-style), not with FSDP")
     elif dims.num_layers % s.pp or (dims.num_layers // s.pp) % s.vpp:
@@ -740,7 +788,7 @@ class _Estimator:
         self.local_layers = dims.num_layers // setup.pp
         # xtl's expert-parallel layout: dense parameters are sharded over all data-parallel ranks, routed experts
         # over the expert-data-parallel ranks (edp) after being split over ep
-        self.shard = setup.dp // setup.dp_replicate
+        self.shard = setup.shard
         self.expert_shard = setup.edp
         self._lora_cache: dict[int, dict[str, BlockLoRA]] = {}
         if setup.offload_layers is not None:

@@ -13,10 +13,13 @@ import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from xtl.errors import ConfigError, short_message
 from xtl.tools._cli import ToolInputError
+
+if TYPE_CHECKING:
+    from xtl.strategies.layout import ParallelLayout
 
 GPU_MEMORY_COMMENT = re.compile(r"^#\s*gpu-memory:\s*(\S+)", re.MULTILINE)
 # what a recipe means when no callback sets it (``TrainSetup``'s own defaults describe a typical large run)
@@ -109,11 +112,11 @@ def read_recipe(paths: Sequence[str | Path]) -> Recipe:
     strategy_path, strategy_args = _class_and_args(trainer.get("strategy"))
     fsdp = _is_subclass(strategy_path, "xtl.strategies", "FSDPStrategy")
     if fsdp:
-        setup.update(_layout_setup(strategy_args, gpus))
+        layout = _layout(strategy_args, gpus)
+        setup.update(zero=3, dp_replicate=layout.dp_replicate, ep=layout.ep, cp=layout.cp)
         read_from["zero"] = "3 (trainer.strategy FSDPStrategy)"
         read_from["layout"] = (
-            f"dp_replicate {setup['dp_replicate']} x dp_shard {gpus // setup['dp_replicate'] // setup['cp']} x cp "
-            f"{setup['cp']}, ep {setup['ep']} (trainer.strategy.init_args: data_parallel_replicate_size, "
+            f"{layout.describe()}, dp {layout.dp_size} (trainer.strategy.init_args: data_parallel_replicate_size, "
             "data_parallel_shard_size, context_parallel_size, expert_parallel_size)"
         )
     elif gpus > 1:
@@ -241,12 +244,12 @@ def _is_subclass(class_path: str | None, module: str, name: str) -> bool:
     return cls is not None and issubclass(cls, getattr(importlib.import_module(module), name))
 
 
-def _layout_setup(strategy_args: dict[str, Any], gpus: int) -> dict[str, Any]:
-    """ZeRO-3 over the strategy's :class:`~xtl.strategies.layout.ParallelLayout` of ``gpus`` ranks."""
+def _layout(strategy_args: dict[str, Any], gpus: int) -> ParallelLayout:
+    """The :class:`~xtl.strategies.layout.ParallelLayout` the strategy would build on ``gpus`` ranks."""
     from xtl.strategies.layout import ParallelLayout
 
     try:
-        layout = ParallelLayout.for_world(
+        return ParallelLayout.for_world(
             gpus,
             int(strategy_args.get("data_parallel_replicate_size") or 1),
             strategy_args.get("data_parallel_shard_size") or "auto",
@@ -255,7 +258,6 @@ def _layout_setup(strategy_args: dict[str, Any], gpus: int) -> dict[str, Any]:
         )
     except ConfigError as exc:
         raise ToolInputError(short_message(exc)) from None
-    return {"zero": 3, "dp_replicate": layout.dp_replicate, "ep": layout.ep, "cp": layout.cp}
 
 
 def _read_transforms(callbacks: list[Any], setup: dict[str, Any], read_from: dict[str, str]) -> None:

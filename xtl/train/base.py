@@ -19,11 +19,13 @@ import torchmetrics
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
+from xtl.data import XTLDataModule
 from xtl.data.collate import MicroBatch, collate_pack, split_for_context_parallel
 from xtl.data.item import IGNORE_INDEX
 from xtl.data.packing import Pack
 from xtl.errors import ConfigError, did_you_mean
 from xtl.model import BaseModel, ModelOutput
+from xtl.strategies.capability import ContextParallelFeature, Refusal
 from xtl.strategies.parallelize import ModelTransform, ParallelizingStrategy, SingleDevice, WeightSource
 from xtl.train.family import DataRanks, RouterTraining, family_of, family_training
 from xtl.train.generation import GenerationConfig, chat_prompt_ids, generate, split_thinking
@@ -42,7 +44,7 @@ from xtl.train.step import (
 from xtl.utils import atomic_write_bytes
 
 
-class LanguageModule(pl.LightningModule):
+class LanguageModule(pl.LightningModule, ContextParallelFeature):
     """Trains an xtl model of any family on step batches (``list[MicroBatch]``) from :class:`xtl.data.XTLDataModule`.
 
     Manual optimization: each ``training_step`` runs forward/backward on every micro-batch with the loss scaled by
@@ -78,6 +80,11 @@ class LanguageModule(pl.LightningModule):
     Multi-token prediction (DeepSeek-V3 ``mtp_layers``) adds its weighted per-depth losses to each micro-batch's
     loss (:class:`~xtl.train.family.MTPLosses`); objectives other than next-token prediction refuse it
     (:attr:`trains_mtp`).
+
+    Under context parallelism the module is one :class:`~xtl.strategies.capability.ContextParallelFeature` of the
+    run: the objective declares itself (:meth:`context_parallel_refusal`; next-token training runs), and its parts
+    (:meth:`context_parallel_parts`: the decoding of ``predict``, the family's training behaviours) are asked with
+    it, once, by the strategy at startup.
 
     Raises:
         ConfigError: ``routing`` for a model without routed experts; ``freeze`` names an unknown part or all of
@@ -176,26 +183,29 @@ class LanguageModule(pl.LightningModule):
 
     def setup(self, stage: str) -> None:
         """Check that the datamodule's tokenizer fits the model's vocabulary (a clear error instead of an index
-        error deep inside the embedding)."""
-        datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
-        load = getattr(datamodule, "load_tokenizer", None)
-        if load is not None:
-            size = len(load())
-            if size > self.model_config.vocab_size:
-                raise ValueError(
-                    f"the tokenizer {datamodule.tokenizer_path!r} has {size} tokens but the model's vocab_size is "
-                    f"{self.model_config.vocab_size}; set model vocab_size >= {size} (or use a matching tokenizer)"
-                )
-        if stage == "predict" and self.parallelizer.layout.cp > 1:
-            raise ConfigError(
-                "xtl predict / generate decode whole prompts on each process: set "
-                "trainer.strategy.init_args.context_parallel_size to 1 for them"
+        error deep inside the embedding), and give xtl's data module this rank's data-parallel rank and size from
+        the layout (the ranks of one context-parallel group read the same data)."""
+        datamodule = self._trainer.datamodule if self._trainer is not None else None
+        if not isinstance(datamodule, XTLDataModule):
+            return
+        size = len(datamodule.load_tokenizer())
+        if size > self.model_config.vocab_size:
+            raise ValueError(
+                f"the tokenizer {datamodule.tokenizer_path!r} has {size} tokens but the model's vocab_size is "
+                f"{self.model_config.vocab_size}; set model vocab_size >= {size} (or use a matching tokenizer)"
             )
-        if getattr(self.model_config, "mtp_layers", 0) and self.parallelizer.layout.cp > 1:
-            raise ConfigError(
-                "mtp_layers: multi-token prediction shifts tokens across context-parallel shares, which xtl does not "
-                "support; set trainer.strategy.init_args.context_parallel_size to 1 or mtp_layers to 0"
-            )
+        layout = self.parallelizer.layout
+        datamodule.use_data_parallel(layout.data_rank(self.global_rank), layout.dp_size)
+
+    def context_parallel_refusal(self, stage: str) -> Refusal | None:
+        """The objective's declaration: next-token training, validation and test run under context parallelism.
+        An objective that cannot (in some mode) returns why."""
+        return None
+
+    def context_parallel_parts(self) -> list[ContextParallelFeature]:
+        """What the module brings to a run besides its objective: the decoding of ``predict`` and the family's
+        training behaviours (multi-token prediction)."""
+        return [_DECODING, *self.family_training]
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """With context parallelism, keep this rank's share of each packed micro-batch (cut on the host, before the
@@ -400,9 +410,10 @@ class LanguageModule(pl.LightningModule):
         filler pack without labels, whose output the caller drops.
         """
         target = len(batch)
-        if self.parallelizer.shards_parameters and dist.is_initialized() and dist.get_world_size() > 1:
+        group = self.parallelizer.world_group()
+        if self.parallelizer.shards_parameters and group is not None:
             most = torch.tensor(float(target), device=self.device)
-            dist.all_reduce(most, op=dist.ReduceOp.MAX)
+            dist.all_reduce(most, op=dist.ReduceOp.MAX, group=group)
             target = int(most.item())
         yield from ((mb, True) for mb in batch)
         for _ in range(target - len(batch)):
@@ -579,6 +590,19 @@ class LanguageModule(pl.LightningModule):
         datamodule = getattr(self.trainer, "datamodule", None)
         names = getattr(datamodule, f"{stage}_set_names", None) or []
         return names[dataloader_idx] if dataloader_idx < len(names) else str(dataloader_idx)
+
+
+class _Decoding(ContextParallelFeature):
+    """``xtl predict`` / ``xtl generate``: cached decoding of whole prompts on every rank."""
+
+    def context_parallel_refusal(self, stage: str) -> Refusal | None:
+        """Refused in the ``predict`` stage."""
+        if stage != "predict":
+            return None
+        return Refusal("xtl predict / generate decode whole prompts on each process")
+
+
+_DECODING = _Decoding()
 
 
 def _drop_keys(module: nn.Module, state_dict: dict[str, Any], prefix: str, metadata: Any, keys: set[str]) -> None:

@@ -23,6 +23,7 @@ from xtl.errors import ConfigError
 from xtl.model import BaseModel, ModelOutput, TransformerConfig
 from xtl.module.mtp import mtp_target_counts
 from xtl.ops.moe_loss import balance_loss, z_loss
+from xtl.strategies.capability import ContextParallelFeature, Refusal
 
 
 @dataclass(frozen=True)
@@ -83,8 +84,9 @@ class DataRanks:
     sum: Callable[[torch.Tensor], torch.Tensor]
 
 
-class FamilyTraining:
-    """One training behaviour of a family: every hook does nothing by default."""
+class FamilyTraining(ContextParallelFeature):
+    """One training behaviour of a family: every hook does nothing by default, and it runs under context
+    parallelism unless it declares otherwise (:meth:`context_parallel_refusal`)."""
 
     def start_step(self, num_micro_batches: int, device: torch.device) -> None:
         """A step over ``num_micro_batches`` micro-batches begins."""
@@ -196,6 +198,12 @@ class MTPLosses(FamilyTraining):
         self._tokens: torch.Tensor | None = None
         self._sums: torch.Tensor | None = None
         self._log: dict[str, torch.Tensor] = {}
+
+    def context_parallel_refusal(self, stage: str) -> Refusal | None:
+        """Refused under context parallelism: a depth's targets lie tokens ahead, across the split of a sequence."""
+        return Refusal(
+            "mtp_layers: multi-token prediction shifts tokens across context-parallel shares", "set mtp_layers to 0"
+        )
 
     def start_step(self, num_micro_batches: int, device: torch.device) -> None:
         """Reset the step's loss sums."""

@@ -30,9 +30,9 @@ class StepResult:
     outputs: list[dict[str, torch.Tensor]]
 
 
-def global_token_count(local: int, device: torch.device, group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """All-reduce (sum) this rank's supervised-token count over the data-parallel group (``None``: this rank is the
-    whole data group, nothing to reduce)."""
+def global_token_count(local: int, device: torch.device, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """This rank's supervised-token count summed over ``group``, the layout's data group (``None``: one rank, the
+    count itself; never the process's default group, which other runs may share)."""
     count = torch.tensor(float(local), device=device)
     if group is not None:
         dist.all_reduce(count, group=group)
@@ -46,7 +46,7 @@ def forward_backward(
     dp_world_size: int,
     backward: Callable[[torch.Tensor], None],
     device: torch.device,
-    group: dist.ProcessGroup | None = None,
+    group: dist.ProcessGroup | None,
     extra_loss: Callable[[ModelOutput, torch.Tensor], torch.Tensor | None] | None = None,
     gradient_sync: Callable[[bool], None] | None = None,
 ) -> StepResult:
@@ -62,7 +62,7 @@ def forward_backward(
         dp_world_size: Ranks the gradient reduction averages over.
         backward: Backpropagates a scalar (``LightningModule.manual_backward`` or ``Tensor.backward``).
         device: Device of the token count.
-        group: Data-parallel process group (default: world).
+        group: The layout's data group the token count sums over (``None``: one rank).
         extra_loss: Optional extra objective per micro-batch (e.g. router losses), given the output and the global
             token count; added before backward.
         gradient_sync: Called with False before all but the last micro-batch and True before the last, so sharded
