@@ -13,8 +13,11 @@ Ranks are laid out as ``dp_replicate x dp_shard x cp`` (``cp`` innermost):
 
 :class:`ParallelLayout` holds the sizes (plain data, no process groups, usable anywhere, e.g. by ``xtl memory``);
 :meth:`ParallelLayout.build` makes the :class:`ParallelMeshes` a strategy trains with. Every collective names the
-group it means: the token count and the router statistics sum over :meth:`ParallelMeshes.data_group`, experts
-exchange tokens over the ``ep`` mesh, and the sampler reads :meth:`ParallelLayout.data_rank` and ``dp_size``.
+group it means, never the process's default group: the token count and the router statistics sum over
+:meth:`ParallelMeshes.data_group`, ranks agree on their forwards and share rank 0's results over
+:meth:`ParallelMeshes.world_group` (:func:`broadcast_object`), attention exchanges over the ``cp`` mesh, experts
+exchange tokens over the ``ep`` mesh, and the data module reads :meth:`ParallelLayout.data_rank` and ``dp_size``
+(handed over by the training module).
 """
 
 from __future__ import annotations
