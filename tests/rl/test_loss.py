@@ -8,7 +8,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from xtl.rl.loss import PolicyLossConfig, group_advantages, k3_kl, overlong_penalty, policy_loss
+from xtl.errors import ConfigError
+from xtl.rl.loss import (
+    LOSS_TYPES,
+    PolicyLossConfig,
+    group_advantages,
+    k3_kl,
+    loss_normalizer,
+    overlong_penalty,
+    policy_loss,
+)
 
 B, T, MAX_LEN = 6, 7, 9
 TOLERANCE = 1e-6
@@ -130,11 +139,25 @@ class TestPolicyLoss:
         assert torch.equal(k3_kl(x, x), torch.zeros(5))
         assert (k3_kl(x, x + 0.3) > 0).all()
 
+    def test_the_normalizer_of_each_loss_type(self) -> None:
+        batch = _batch()
+        tokens = batch["mask"].sum()
+        want = {"grpo": B, "dr_grpo": B * MAX_LEN, "bnpo": tokens, "dapo": tokens}
+        assert set(want) == set(LOSS_TYPES)
+        for loss_type, count in want.items():
+            out = policy_loss(
+                batch["logps"], batch["old"], batch["advantages"], batch["mask"], PolicyLossConfig(loss_type),
+                max_completion_length=MAX_LEN,
+            )  # fmt: skip
+            assert out.num_items == count == loss_normalizer(loss_type, B, tokens, MAX_LEN), loss_type
+
     def test_refusals(self) -> None:
-        with pytest.raises(ValueError, match="loss_type"):
+        with pytest.raises(ConfigError, match="objective.loss_type must be one of grpo, bnpo, dr_grpo, dapo"):
             PolicyLossConfig(loss_type="ppo")
-        with pytest.raises(ValueError, match="importance_sampling"):
+        with pytest.raises(ConfigError, match="objective.importance_sampling"):
             PolicyLossConfig(importance_sampling="seq")
+        with pytest.raises(ConfigError, match="objective.scale_rewards must be one of group, batch, none"):
+            PolicyLossConfig(scale_rewards="std")
         batch = _batch()
         with pytest.raises(ValueError, match="ref_logps"):
             policy_loss(batch["logps"], batch["old"], batch["advantages"], batch["mask"], PolicyLossConfig(beta=0.1))

@@ -16,22 +16,29 @@ dapo       sum over tokens                                          completion t
 =========  ======================================================  =================================
 
 (``bnpo`` and ``dapo`` differ in TRL only in how gradient accumulation rescales them; here both divide by the
-step's tokens.) The importance ratio is per token, or per sequence (GSPO: the exponent of the mean log-ratio of
-the sequence, ``importance_sampling: sequence``), clipped to ``[1 - epsilon_low, 1 + epsilon_high]`` (DAPO's
-clip-higher sets ``epsilon_high`` above ``epsilon_low``). With ``beta > 0`` the k3 estimator of the KL divergence
-to the reference is added per token.
+step's tokens.) :func:`loss_normalizer` is the one place that says what each loss type divides by. The importance
+ratio is per token, or per sequence (GSPO: the exponent of the mean log-ratio of the sequence,
+``importance_sampling: sequence``), clipped to ``[1 - epsilon_low, 1 + epsilon_high]`` (DAPO's clip-higher sets
+``epsilon_high`` above ``epsilon_low``). With ``beta > 0`` the k3 estimator of the KL divergence to the reference is
+added per token.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
-IMPORTANCE_LEVELS = ("token", "sequence")
-REWARD_SCALINGS = ("group", "batch", "none")
+from xtl.errors import ConfigError
+
+KEY = "model.init_args.objective"
+LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo"]
+ImportanceLevel = Literal["token", "sequence"]
+RewardScaling = Literal["group", "batch", "none"]
+LOSS_TYPES: tuple[str, ...] = get_args(LossType)
+IMPORTANCE_LEVELS: tuple[str, ...] = get_args(ImportanceLevel)
+REWARD_SCALINGS: tuple[str, ...] = get_args(RewardScaling)
 STD_EPS = 1e-4  # added to the reward std before dividing (TRL's constant)
 
 
@@ -53,32 +60,34 @@ class PolicyLossConfig:
             of the ``batch``, or not at all (``none``: Dr.GRPO).
 
     Raises:
-        ValueError: Naming the first setting out of range.
+        ConfigError: Naming the first setting out of range.
     """
 
-    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "grpo"
-    importance_sampling: Literal["token", "sequence"] = "token"
+    loss_type: LossType = "grpo"
+    importance_sampling: ImportanceLevel = "token"
     epsilon_low: float = 0.2
     epsilon_high: float | None = None
     beta: float = 0.0
-    scale_rewards: Literal["group", "batch", "none"] = "group"
+    scale_rewards: RewardScaling = "group"
 
     def __post_init__(self) -> None:
-        for name, value, allowed in (
-            ("loss_type", self.loss_type, LOSS_TYPES),
-            ("importance_sampling", self.importance_sampling, IMPORTANCE_LEVELS),
-            ("scale_rewards", self.scale_rewards, REWARD_SCALINGS),
+        for name, allowed in (
+            ("loss_type", LOSS_TYPES),
+            ("importance_sampling", IMPORTANCE_LEVELS),
+            ("scale_rewards", REWARD_SCALINGS),
         ):
+            value = getattr(self, name)
             if value not in allowed:
-                raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
+                raise ConfigError(f"{KEY}.{name} must be one of {', '.join(allowed)}, got {value!r}")
         if self.epsilon_high is None:
             self.epsilon_high = self.epsilon_low
         if not 0 <= self.epsilon_low < 1 or self.epsilon_high < 0:
-            raise ValueError(
-                f"epsilon_low must be in [0, 1) and epsilon_high >= 0, got {self.epsilon_low}, {self.epsilon_high}"
+            raise ConfigError(
+                f"{KEY}.epsilon_low must be in [0, 1) and epsilon_high >= 0, got {self.epsilon_low}, "
+                f"{self.epsilon_high}"
             )
         if self.beta < 0:
-            raise ValueError(f"beta must be >= 0, got {self.beta}")
+            raise ConfigError(f"{KEY}.beta must be >= 0, got {self.beta}")
 
 
 torch.serialization.add_safe_globals([PolicyLossConfig])  # a hyperparameter in checkpoints (weights_only loads)
@@ -90,7 +99,7 @@ class PolicyLoss:
 
     Attributes:
         loss_sum: The loss summed as the loss type says (divide by the step's ``num_items``).
-        num_items: This batch's share of the normalizer (sequences, tokens, or sequences x max length).
+        num_items: This batch's share of the normalizer (:func:`loss_normalizer`).
         stats: Sums for the step's metrics: ``tokens``, ``clip_low``, ``clip_high``, ``clip_region`` (clipped
             tokens, or sequences under ``sequence`` importance, then counted per token), ``kl`` (k3, over tokens;
             only with a reference), ``ratio`` (the importance ratio over tokens).
@@ -128,6 +137,29 @@ def overlong_penalty(lengths: torch.Tensor, max_new_tokens: int, buffer: int, fa
     lengths = lengths.to(torch.float64)
     ramp = (free - lengths) / buffer * factor
     return torch.where(lengths <= free, torch.zeros_like(ramp), ramp.clamp(min=-factor))
+
+
+def loss_normalizer(
+    loss_type: str, sequences: int, tokens: float | torch.Tensor, max_completion_length: int | None = None
+) -> float | torch.Tensor:
+    """What a batch of ``sequences`` completions with ``tokens`` completion tokens adds to the step's normalizer.
+
+    The one place that says it (module docstring's table): ``grpo`` divides by sequences, ``dr_grpo`` by sequences x
+    ``max_completion_length``, ``bnpo`` and ``dapo`` by completion tokens (``tokens`` itself is returned, a tensor
+    stays a tensor).
+
+    Raises:
+        ValueError: ``dr_grpo`` without ``max_completion_length``; an unknown loss type.
+    """
+    if loss_type == "grpo":
+        return float(sequences)
+    if loss_type == "dr_grpo":
+        if max_completion_length is None:
+            raise ValueError("dr_grpo needs max_completion_length (the sampling's max_new_tokens)")
+        return float(sequences * max_completion_length)
+    if loss_type in ("bnpo", "dapo"):
+        return tokens
+    raise ValueError(f"loss_type must be one of {', '.join(LOSS_TYPES)}, got {loss_type!r}")
 
 
 def k3_kl(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
@@ -186,15 +218,10 @@ def policy_loss(
     per_token = per_token.expand_as(logps) * mask
     if config.loss_type == "grpo":
         loss_sum = (per_token.sum(-1) / tokens.clamp(min=1.0)).sum()
-        num_items = torch.tensor(float(logps.shape[0]), device=logps.device)
-    elif config.loss_type == "dr_grpo":
-        if max_completion_length is None:
-            raise ValueError("dr_grpo needs max_completion_length (the sampling's max_new_tokens)")
+    else:  # bnpo, dapo, dr_grpo: over tokens
         loss_sum = per_token.sum()
-        num_items = torch.tensor(float(logps.shape[0] * max_completion_length), device=logps.device)
-    else:  # bnpo, dapo: over tokens
-        loss_sum = per_token.sum()
-        num_items = tokens.sum().detach()
+    normalizer = loss_normalizer(config.loss_type, logps.shape[0], tokens.sum().detach(), max_completion_length)
+    num_items = torch.as_tensor(normalizer, dtype=logps.dtype, device=logps.device)
     low = ((ratio < 1 - config.epsilon_low) & (adv < 0)).to(mask.dtype).expand_as(mask) * mask
     high = ((ratio > 1 + config.epsilon_high) & (adv > 0)).to(mask.dtype).expand_as(mask) * mask
     stats.update(
