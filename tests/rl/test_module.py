@@ -103,12 +103,16 @@ class TestTraining:
     def test_old_logps_are_kept_across_the_updates_of_a_rollout_batch(self, tmp_path) -> None:
         steps, _ = _fit(_module(), 3, tmp_path)
         first, second, third = steps[1], steps[2], steps[3]
-        assert first["train/ratio"] == 1.0 and first["train/clip_region"] == 0.0, "the first update is on-policy"
+        assert first["train/ratio"] == 1.0 and first["train/clip_ratio/region_mean"] == 0.0, "the first is on-policy"
         assert second["train/ratio"] != 1.0, "the second update of a batch compares with the sampling policy"
         assert third["train/ratio"] == 1.0, "a new rollout batch starts on-policy again"
         assert first["rollout/samples"] == 3 * 4 and first["rollout/completed"] + first["rollout/failed"] == 12
-        assert first["train/groups_with_signal"] > 0 and first["train/entropy"] > 0
-        assert {"train/reward", "train/reward_std", "train/response_length", "rollout/gen_seconds_p90"} <= set(first)
+        assert first["train/frac_reward_zero_std"] < 1 and first["train/entropy"] > 0
+        assert 0 < first["train/completions/min_length"] <= first["train/completions/mean_length"] <= 6
+        assert first["train/completions/max_length"] <= 6 and 0 <= first["train/completions/clipped_ratio"] <= 1
+        assert {"train/reward", "train/reward_std", "rollout/gen_seconds_p90", "train/clip_ratio/low_mean",
+                "train/clip_ratio/high_mean"} <= set(first)  # fmt: skip
+        assert "train/kl" not in first, "no KL term, no kl (as TRL)"
 
     def test_epochs_repeat_the_batch(self, tmp_path) -> None:
         steps, _ = _fit(_module(updates={"mini_batches": 1, "epochs": 2}), 3, tmp_path)

@@ -20,11 +20,16 @@ step's tokens.) :func:`loss_normalizer` is the one place that says what each los
 ratio is per token, or per sequence (GSPO: the exponent of the mean log-ratio of the sequence,
 ``importance_sampling: sequence``), clipped to ``[1 - epsilon_low, 1 + epsilon_high]`` (DAPO's clip-higher sets
 ``epsilon_high`` above ``epsilon_low``). With ``beta > 0`` the k3 estimator of the KL divergence to the reference is
-added per token.
+added per token (TRL's with ``use_bias_correction_kl=False``: the KL term is not weighted by the importance ratio).
+
+:func:`policy_metrics` turns the step's summed statistics into the logged means, under TRL's names
+(``clip_ratio/low_mean``, ``clip_ratio/high_mean``, ``clip_ratio/region_mean``, ``kl``, ``entropy``) and ``ratio``
+(xtl's: the mean importance ratio).
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -40,6 +45,17 @@ LOSS_TYPES: tuple[str, ...] = get_args(LossType)
 IMPORTANCE_LEVELS: tuple[str, ...] = get_args(ImportanceLevel)
 REWARD_SCALINGS: tuple[str, ...] = get_args(RewardScaling)
 STD_EPS = 1e-4  # added to the reward std before dividing (TRL's constant)
+# logged name (TRL's where TRL logs the same quantity) -> (summed statistic, the count it is averaged over)
+POLICY_METRICS: dict[str, tuple[str, str]] = {
+    "clip_ratio/low_mean": ("clip_low", "clip_items"),
+    "clip_ratio/high_mean": ("clip_high", "clip_items"),
+    "clip_ratio/region_mean": ("clip_region", "clip_items"),
+    "ratio": ("ratio", "tokens"),
+    "kl": ("kl", "tokens"),
+    "entropy": ("entropy", "tokens"),
+}
+# every statistic of PolicyLoss.stats, in a fixed order (summed over micro-batches and ranks as one tensor)
+POLICY_STATS: tuple[str, ...] = tuple(dict.fromkeys(name for pair in POLICY_METRICS.values() for name in pair))
 
 
 @dataclass
@@ -61,6 +77,9 @@ class PolicyLossConfig:
 
     Raises:
         ConfigError: Naming the first setting out of range.
+
+    Warns:
+        UserWarning: Sequence-level importance sampling with a loss type that sums tokens (as TRL warns).
     """
 
     loss_type: LossType = "grpo"
@@ -88,6 +107,14 @@ class PolicyLossConfig:
             )
         if self.beta < 0:
             raise ConfigError(f"{KEY}.beta must be >= 0, got {self.beta}")
+        if self.importance_sampling == "sequence" and self.loss_type != "grpo":  # TRL's warning
+            warnings.warn(
+                f"{KEY}: with importance_sampling: sequence, the {self.loss_type!r} loss sums per-token "
+                "contributions, which weights each sequence by its completion length instead of optimizing the "
+                "per-sequence objective; GSPO's setup is loss_type: grpo",
+                UserWarning,
+                stacklevel=3,
+            )
 
 
 torch.serialization.add_safe_globals([PolicyLossConfig])  # a hyperparameter in checkpoints (weights_only loads)
@@ -100,9 +127,11 @@ class PolicyLoss:
     Attributes:
         loss_sum: The loss summed as the loss type says (divide by the step's ``num_items``).
         num_items: This batch's share of the normalizer (:func:`loss_normalizer`).
-        stats: Sums for the step's metrics: ``tokens``, ``clip_low``, ``clip_high``, ``clip_region`` (clipped
-            tokens, or sequences under ``sequence`` importance, then counted per token), ``kl`` (k3, over tokens;
-            only with a reference), ``ratio`` (the importance ratio over tokens).
+        stats: Sums for the step's metrics (every name of :data:`POLICY_STATS`; :func:`policy_metrics` turns their
+            totals into means): ``tokens``; ``clip_items`` (tokens, or sequences under ``sequence`` importance: what
+            the clipping statistics count), ``clip_low``, ``clip_high``, ``clip_region`` (clipped tokens, or clipped
+            sequences); ``ratio`` (the importance ratio over tokens); ``kl`` (k3, over tokens; 0 without a KL term);
+            ``entropy`` (over tokens; 0 unless given).
     """
 
     loss_sum: torch.Tensor
@@ -162,6 +191,16 @@ def loss_normalizer(
     raise ValueError(f"loss_type must be one of {', '.join(LOSS_TYPES)}, got {loss_type!r}")
 
 
+def policy_metrics(totals: dict[str, torch.Tensor], config: PolicyLossConfig) -> dict[str, torch.Tensor]:
+    """The logged means (:data:`POLICY_METRICS`, TRL's names) of a step's ``stats`` summed over its micro-batches
+    and ranks; ``kl`` only with a KL term (``beta > 0``), as TRL logs it."""
+    return {
+        name: totals[value] / totals[count].clamp(min=1)
+        for name, (value, count) in POLICY_METRICS.items()
+        if name != "kl" or config.beta
+    }
+
+
 def k3_kl(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
     """The k3 estimate of ``KL(policy || reference)`` per token: ``exp(r - p) - (r - p) - 1``."""
     delta = ref_logps - logps
@@ -177,6 +216,7 @@ def policy_loss(
     ref_logps: torch.Tensor | None = None,
     max_completion_length: int | None = None,
     token_weights: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
 ) -> PolicyLoss:
     """The clipped policy-gradient loss of one batch of completions.
 
@@ -190,6 +230,7 @@ def policy_loss(
         max_completion_length: The constant length of ``dr_grpo``'s normalizer.
         token_weights: ``(B, T)`` weights of the policy term per token (the truncated importance-sampling correction
             of an engine whose numerics differ from the trainer's), applied before the KL term as TRL does.
+        entropy: ``(B, T)`` the policy's entropy per token (only summed for the metrics).
 
     Returns:
         PolicyLoss: The summed loss, its normalizer and metric sums.
@@ -208,13 +249,16 @@ def policy_loss(
     per_token = -torch.min(ratio * adv, clipped * adv)
     if token_weights is not None:
         per_token = per_token * token_weights
-    stats: dict[str, torch.Tensor] = {}
+    zero = torch.zeros((), dtype=logps.dtype, device=logps.device)
+    stats: dict[str, torch.Tensor] = {"kl": zero, "entropy": zero}
     if config.beta:
         if ref_logps is None:
             raise ValueError("beta > 0 needs the reference's log-probabilities (ref_logps)")
         kl = k3_kl(logps, ref_logps)
         per_token = per_token + config.beta * kl
         stats["kl"] = (kl * mask).sum().detach()
+    if entropy is not None:
+        stats["entropy"] = (entropy.detach() * mask).sum()
     per_token = per_token.expand_as(logps) * mask
     if config.loss_type == "grpo":
         loss_sum = (per_token.sum(-1) / tokens.clamp(min=1.0)).sum()
@@ -222,10 +266,13 @@ def policy_loss(
         loss_sum = per_token.sum()
     normalizer = loss_normalizer(config.loss_type, logps.shape[0], tokens.sum().detach(), max_completion_length)
     num_items = torch.as_tensor(normalizer, dtype=logps.dtype, device=logps.device)
-    low = ((ratio < 1 - config.epsilon_low) & (adv < 0)).to(mask.dtype).expand_as(mask) * mask
-    high = ((ratio > 1 + config.epsilon_high) & (adv > 0)).to(mask.dtype).expand_as(mask) * mask
+    # clipped where the clipped ratio is the one taken (TRL's statistics): per token, or per sequence (GSPO)
+    items = (tokens > 0).to(mask.dtype).unsqueeze(-1) if config.importance_sampling == "sequence" else mask
+    low = ((ratio < 1 - config.epsilon_low) & (adv < 0)).to(mask.dtype) * items
+    high = ((ratio > 1 + config.epsilon_high) & (adv > 0)).to(mask.dtype) * items
     stats.update(
         tokens=tokens.sum().detach(),
+        clip_items=items.sum().detach(),
         clip_low=low.sum().detach(),
         clip_high=high.sum().detach(),
         clip_region=(low + high).sum().detach(),

@@ -29,7 +29,7 @@ from xtl.module.lora import adapters_disabled, lora_layers
 from xtl.rl.buffer import Group, ProduceStats, ReplayBuffer, Sample, SampleState, produce_batch
 from xtl.rl.engines import EngineSettings, start_engine
 from xtl.rl.judger import BaseJudger, MathJudger, RolloutState
-from xtl.rl.loss import PolicyLossConfig, group_advantages, overlong_penalty, policy_loss
+from xtl.rl.loss import POLICY_STATS, PolicyLossConfig, group_advantages, overlong_penalty, policy_loss, policy_metrics
 from xtl.rl.packing import RLMicroBatch, cut_micro_batches, split_round_robin
 from xtl.rl.rollout import RolloutEngine, SamplingSettings
 from xtl.rl.settings import RolloutSettings, UpdateSettings, moved_key
@@ -37,7 +37,6 @@ from xtl.train.base import LanguageModule
 from xtl.train.generation import GenerationConfig, chat_prompt_ids, generate, split_thinking, stop_token_ids
 
 ReferenceMode = Literal["auto", "live", "adapters_off", "none"]
-POLICY_METRICS = ("clip_low", "clip_high", "clip_region", "ratio", "kl", "entropy")
 
 
 class GRPOModule(LanguageModule):
@@ -191,9 +190,8 @@ class GRPOModule(LanguageModule):
                 weights = torch.exp(mb.old_logps - mb.sampling_logps).clamp(max=cap)
             out = policy_loss(
                 logps, mb.old_logps, mb.advantages, mb.mask, self.objective, mb.ref_logps,
-                self.sampling.max_new_tokens, weights,
+                self.sampling.max_new_tokens, weights, entropy,
             )  # fmt: skip
-            out.stats["entropy"] = (entropy * mb.mask).sum()
             sums.append(out.stats)
             return ModelOutput(loss_sum=out.loss_sum, num_tokens=None)
 
@@ -201,13 +199,12 @@ class GRPOModule(LanguageModule):
             result = self.optimizer_step_over(update, forward, lambda mb: mb.num_items)
         finally:
             self._replay(None)
+        zero = torch.zeros((), device=self.device)
         totals = self._sum_over_data_ranks(
-            torch.stack(
-                [sum(s.get(k, torch.zeros((), device=self.device)) for s in sums) for k in (*POLICY_METRICS, "tokens")]
-            )
+            torch.stack([sum((s[k].float() for s in sums), zero) for k in POLICY_STATS])
         )
-        tokens = totals[-1].clamp(min=1)
-        values = {f"train/{k}": totals[i] / tokens for i, k in enumerate(POLICY_METRICS)}
+        metrics = policy_metrics(dict(zip(POLICY_STATS, totals)), self.objective)
+        values = {f"train/{name}": value for name, value in metrics.items()}
         values.update({k: torch.tensor(v) for k, v in self._rollout_metrics.items()})
         self.log_step_metrics(values)
         return result.loss_sum / result.global_tokens.clamp(min=1)
@@ -384,13 +381,20 @@ class GRPOModule(LanguageModule):
                 sample.reward += penalty
 
     def _metrics(self, stats: ProduceStats, groups: list[Group], samples: list[Sample]) -> dict[str, float]:
+        """The rollout batch's metrics: the production's accounting (``rollout/...``) and, under TRL's names, the
+        rewards of its groups and the lengths of the completions it trains on."""
         rewards = [r for g in groups for r in g.rewards]
         lengths = [len(s.response_ids) for s in samples] or [0]
         out = stats.metrics()
         out["train/reward"] = float(np.mean(rewards)) if rewards else 0.0
         out["train/reward_std"] = float(np.std(rewards, ddof=1)) if len(rewards) > 1 else 0.0
-        out["train/response_length"] = float(np.mean(lengths))
-        out["train/groups_with_signal"] = float(sum(g.has_signal for g in groups))
+        out["train/frac_reward_zero_std"] = sum(not g.has_signal for g in groups) / max(len(groups), 1)
+        out["train/completions/mean_length"] = float(np.mean(lengths))
+        out["train/completions/min_length"] = float(min(lengths))
+        out["train/completions/max_length"] = float(max(lengths))
+        out["train/completions/clipped_ratio"] = sum(s.finish_reason == "length" for s in samples) / max(
+            len(samples), 1
+        )
         return out
 
     def _fill_logps(self, mb: RLMicroBatch) -> None:
