@@ -54,6 +54,11 @@ def _batch(seed: int = 0) -> dict[str, torch.Tensor]:
     old = logps + torch.randn(B, T, generator=g, dtype=torch.float64) * 0.3 + shift  # ratios outside the clip range
     lengths = torch.tensor([7, 3, 5, 1, 6, 4])
     mask = (torch.arange(T)[None] < lengths[:, None]).long()
+    # ratios of 1.25 with positive advantages: above 1 + epsilon_low, inside DAPO's clip-higher bound 1 + 0.28 (a
+    # token of sequence 0, and sequence 2's sequence-level ratio)
+    old[0, 0] = logps[0, 0] - torch.tensor(1.25, dtype=torch.float64).log()
+    centred = old[2, :5] - logps[2, :5] - (old[2, :5] - logps[2, :5]).mean()
+    old[2, :5] = logps[2, :5] + centred - torch.tensor(1.25, dtype=torch.float64).log()
     return {
         "logps": logps,
         "old": old,
@@ -224,6 +229,21 @@ class TestPolicyLoss:
         high = (ratio > 1.2) & (batch["advantages"] > 0)
         assert out.stats["clip_items"] == B and out.stats["clip_region"] == (low | high).sum() > 0
         assert out.stats["clip_low"] == low.sum() and out.stats["clip_high"] == high.sum()
+
+    def test_each_clip_statistic_uses_its_own_bound(self) -> None:
+        """One-token sequences with known ratios: a ratio of 1.25 is inside DAPO's clip-higher bound (1.28) but
+        above ``1 + epsilon_low``; only a ratio a bound clips (for the advantage's sign) counts."""
+        ratios = torch.tensor([1.25, 1.3, 0.75, 0.85, 1.3, 0.7], dtype=torch.float64)
+        advantages = torch.tensor([1.0, 1.0, -1.0, -1.0, -1.0, 1.0], dtype=torch.float64)
+        config = PolicyLossConfig(epsilon_low=0.2, epsilon_high=0.28)
+        logps = ratios.log().unsqueeze(-1)
+        out = policy_loss(logps, torch.zeros_like(logps), advantages, torch.ones_like(logps), config)
+        assert out.stats["clip_items"] == 6
+        assert out.stats["clip_high"] == 1, "1.3 above 1.28 with a positive advantage; 1.25 is inside"
+        assert out.stats["clip_low"] == 1, "0.75 below 0.8 with a negative advantage; 0.85 is inside"
+        assert out.stats["clip_region"] == 2
+        means = policy_metrics(out.stats, config)
+        assert means["clip_ratio/high_mean"] == means["clip_ratio/low_mean"] == pytest.approx(1 / 6)
 
     def test_the_normalizer_of_each_loss_type(self) -> None:
         batch = _batch()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import lightning.pytorch as pl
@@ -13,6 +14,7 @@ from xtl.callbacks import LoRA
 from xtl.data import SourceSpec, XTLDataModule
 from xtl.errors import ConfigError
 from xtl.rl import (
+    BaseJudger,
     FunctionJudger,
     GRPOModule,
     PolicyLossConfig,
@@ -20,6 +22,7 @@ from xtl.rl import (
     SamplingSettings,
     UpdateSettings,
 )
+from xtl.rl.buffer import Group, Sample, SampleState
 from xtl.rl.packing import pack_sequences
 from xtl.strategies import AtomicCheckpointIO
 from xtl.strategies.layout import ParallelLayout
@@ -144,6 +147,42 @@ class TestTraining:
                              default_root_dir=tmp_path, limit_val_batches=1)  # fmt: skip
         metrics = trainer.validate(module, datamodule=_datamodule(val=True), verbose=False)[0]
         assert 0 <= metrics["val/exact_match"] <= 1 and 0 <= metrics["val/reward"] <= 1
+
+
+class LoneJudgedSample(BaseJudger):
+    """Judges as :func:`varied_reward`, but fails every completion of each batch's first prompt except its first:
+    that one is completed and judged, yet its group has no other reward, so its advantage is ``NaN``."""
+
+    def __init__(self, group_size: int) -> None:
+        self.group_size = group_size
+
+    async def batch_judge(self, states):
+        for i, state in enumerate(states):
+            if 0 < i < self.group_size:
+                state.status, state.reward, state.error = "failed", None, "scripted failure"
+            else:
+                state.reward = {"score": varied_reward(state.response, state.ground_truth)}
+        return list(states)
+
+
+class TestAdvantages:
+    def test_samples_without_a_finite_advantage_do_not_train(self) -> None:
+        """A failed sample (no reward) and a completed one alone in its group (``NaN`` advantage) are dropped; the
+        other groups train with their advantages."""
+        module = _module()
+        lone = [Sample([1], [2], "stop", reward=1.0)] + [
+            Sample([1], [2], "stop", state=SampleState.FAILED) for _ in range(3)
+        ]
+        whole = [Sample([3], [4 + i], "stop", reward=float(i % 2)) for i in range(4)]
+        samples, advantages = module._advantages([Group({}, lone, 0), Group({}, whole, 0)])
+        assert samples == whole and all(math.isfinite(a) for a in advantages)
+        assert advantages == pytest.approx([-0.866, 0.866, -0.866, 0.866], abs=1e-3)
+
+    def test_a_run_whose_judging_fails_trains_on_the_judged_groups(self, tmp_path) -> None:
+        module = _module(judger=LoneJudgedSample(group_size=4))
+        steps, _ = _fit(module, 2, tmp_path)
+        assert steps[1]["rollout/failed"] == 3 and steps[1]["rollout/completed"] == 9
+        assert all(math.isfinite(steps[s]["train/loss"]) for s in (1, 2)), steps
 
 
 class TestResume:
