@@ -149,7 +149,9 @@ def _check_feature_acts(cell: Cell, result: dict, plain: dict) -> None:
         assert {"train/kl", "train/rewards/chosen", "train/rewards/rejected"} <= set(result["logged"])
     elif name == "grpo":  # step 0: every ratio 1, so the loss is minus the mean advantage, 0 in every group
         assert abs(float(result["losses"]["0"])) < 1e-6, result["losses"]
-        assert {"train/ratio", "train/reward", "train/clip_region", "rollout/samples"} <= set(result["logged"])
+        assert {"train/ratio", "train/reward", "train/clip_ratio/region_mean", "rollout/samples"} <= set(
+            result["logged"]
+        )
     elif name == "mtp":  # the depth trained: its loss is logged, and it changed the update
         assert "train/mtp_loss_1" in result["logged"] and result["losses"]["1"] != plain["losses"]["1"]
         assert probe["calls"]["mtp"] == probe["calls"]["language"][-1:], probe["calls"]  # ran with every forward

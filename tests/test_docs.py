@@ -202,6 +202,33 @@ class TestDocumentedCommands:
         assert gpu.commands == ["xtl fit"] and gpu.gpu
 
 
+class TestDocumentedChoices:
+    """Every value a setting's ``Literal`` allows (the one list of them) is named in its section of
+    ``docs/configs.md``."""
+
+    @pytest.mark.parametrize(
+        ("section", "setting"),
+        [
+            ("Reinforcement learning", "xtl.rl.loss.LOSS_TYPES"),
+            ("Reinforcement learning", "xtl.rl.loss.IMPORTANCE_LEVELS"),
+            ("Reinforcement learning", "xtl.rl.loss.REWARD_SCALINGS"),
+            ("Reinforcement learning", "xtl.rl.engines.ENGINES"),
+            ("Preference optimization", "xtl.train.preference_loss.LOSS_TYPES"),
+        ],
+    )
+    def test_every_choice_is_named(self, section, setting):
+        import importlib
+
+        module, name = setting.rsplit(".", 1)
+        choices = getattr(importlib.import_module(module), name)
+        text = (ROOT / "docs" / "configs.md").read_text()
+        body = text[text.index(f"## {section}") :]
+        body = body[: body.find("\n## ", 1)]
+        spans = " ".join(re.findall(r"`([^`]*)`", body))
+        missing = [c for c in choices if not re.search(rf"(?<![\w.]){re.escape(c)}(?!\w)", spans)]
+        assert choices and not missing, f"docs/configs.md, {section}: {missing} not named"
+
+
 def _run(args: list[str], capfd) -> tuple[int, str]:
     """``xtl args`` in this process (or its own, see :data:`OWN_PROCESS`): exit code and everything it printed."""
     capfd.readouterr()

@@ -12,9 +12,10 @@ from typing import Any
 
 import yaml
 
+from xtl.rl.settings import moved_key as moved_rl_key
 from xtl.train import FOLDED_MODULES
 
-# model.init_args key -> where it went (under model.init_args)
+# model.init_args key -> where it went (under model.init_args); GRPOModule's flat keys: xtl.rl.settings.MOVED_KEYS
 MOVED_MODEL_KEYS = {
     "lr": "optimizer.lr",
     "weight_decay": "optimizer.weight_decay",
@@ -57,7 +58,9 @@ def moved_setting_error(argv: list[str]) -> str | None:
                 value = value or (argv[i + 1] if i + 1 < len(argv) else "")
                 found = _folded_module(value)
             else:
-                found = _moved_model_key(key.removeprefix("model.").removeprefix("init_args."), "--model.init_args.")
+                value = value or (argv[i + 1] if "=" not in arg and i + 1 < len(argv) else None)
+                key = key.removeprefix("model.").removeprefix("init_args.")
+                found = _moved_model_key(key, "--model.init_args.", value)
             if found:
                 return found
     return None
@@ -77,7 +80,7 @@ def _moved_in_yaml(path: Path) -> str | None:
         args, prefix = (
             (model["init_args"], "model.init_args.") if isinstance(model.get("init_args"), dict) else (model, "model.")
         )
-        found = found or next((m for key in args if (m := _moved_model_key(key, prefix))), None)
+        found = found or next((m for key, value in args.items() if (m := _moved_model_key(key, prefix, value))), None)
     trainer = config.get("trainer")
     callbacks = trainer.get("callbacks") or trainer.get("callbacks+") if isinstance(trainer, dict) else None
     for callback in callbacks if isinstance(callbacks, list) else []:
@@ -95,9 +98,9 @@ def _folded_module(class_path: Any) -> str | None:
     )
 
 
-def _moved_model_key(key: str, prefix: str) -> str | None:
+def _moved_model_key(key: str, prefix: str, value: Any = None) -> str | None:
     if key not in MOVED_MODEL_KEYS:
-        return None
+        return moved_rl_key(key, value, prefix)
     return (
         f"{prefix}{key} has moved to {prefix}{MOVED_MODEL_KEYS[key]} (optimizer, schedule and family settings are "
         "grouped under optimizer:, schedule: and routing:, see docs/configs.md)"

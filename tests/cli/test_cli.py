@@ -126,6 +126,15 @@ class TestConfigsParse:
                 "trainer:\n  callbacks:\n    - class_path: xtl.callbacks.HFExport\n      init_args: {lora: adapter}\n",
                 "HFExport.init_args.lora has moved: what a LoRA model exports is the LoRA callback's export",
             ),
+            (
+                "model:\n  class_path: xtl.rl.GRPOModule\n  init_args:\n    dynamic_sampling: true\n",
+                "model.init_args.dynamic_sampling has moved to model.init_args.rollout.dynamic_sampling (GRPOModule's "
+                "settings are grouped under rollout:, updates: and engine:",
+            ),
+            (
+                "model:\n  init_args:\n    engine: vllm\n",
+                "model.init_args.engine: vllm has moved to model.init_args.engine.name",
+            ),
         ],
     )
     def test_a_recipe_of_an_earlier_release_says_what_to_write(self, tmp_path, capsys, yaml_text, says):
@@ -134,6 +143,13 @@ class TestConfigsParse:
         assert _run_main(["fit", "--config", str(ROOT / "configs/tiny_sft.yaml"), "--config", str(old)]) == 2
         err = capsys.readouterr().err
         assert err.startswith(f"xtl: error: {old}: ") and says in err
+
+    def test_a_moved_rl_key_on_the_command_line(self, capsys):
+        grpo = ["fit", "--config", str(ROOT / "configs/tiny_grpo.yaml")]
+        assert _run_main([*grpo, "--model.init_args.epochs", "2"]) == 2
+        assert "--model.init_args.epochs has moved to --model.init_args.updates.epochs" in capsys.readouterr().err
+        assert _run_main([*grpo, "--model.init_args.engine", "ray"]) == 2
+        assert "--model.init_args.engine: ray has moved to --model.init_args.engine.name" in capsys.readouterr().err
 
     def test_a_folded_module_on_the_command_line(self, capsys):
         args = ["fit", "--config", str(ROOT / "configs/tiny_sft.yaml"), "--model.class_path", "xtl.train.VisionLM"]

@@ -223,8 +223,8 @@ FEATURES = (
         (),
         "model:\n  class_path: xtl.rl.GRPOModule\n  init_args:\n"
         "    judger: {class_path: xtl.rl.FormatJudger, init_args: {pattern: '(..)*'}}\n"
-        "    sampling: {group_size: 4, max_new_tokens: 6}\n    prompts_per_step: 2\n"
-        "    dynamic_sampling: true\n    oversample: 1.5\n    max_rounds: 2\n"
+        "    sampling: {group_size: 4, max_new_tokens: 6}\n"
+        "    rollout: {prompts_per_step: 2, dynamic_sampling: true, oversample: 1.5, max_rounds: 2}\n"
         "data:\n  sources: [{path: tiny:sft_train.jsonl, kind: prompt}]\n",
         "objective",
         "GRPO with dynamic sampling: rollouts from the policy (xtl's cached sampler; ranks draw and decode in "

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+from types import SimpleNamespace
+
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -10,9 +13,19 @@ from tests.train.test_base import StopAt
 from xtl.callbacks import LoRA
 from xtl.data import SourceSpec, XTLDataModule
 from xtl.errors import ConfigError
-from xtl.rl import FunctionJudger, GRPOModule, PolicyLossConfig, SamplingSettings
-from xtl.rl.module import pack_sequences
+from xtl.rl import (
+    BaseJudger,
+    FunctionJudger,
+    GRPOModule,
+    PolicyLossConfig,
+    RolloutSettings,
+    SamplingSettings,
+    UpdateSettings,
+)
+from xtl.rl.buffer import Group, Sample, SampleState
+from xtl.rl.packing import pack_sequences
 from xtl.strategies import AtomicCheckpointIO
+from xtl.strategies.layout import ParallelLayout
 from xtl.train import AdamWConfig, ScheduleConfig
 
 MODEL = {
@@ -34,12 +47,13 @@ def _datamodule(val: bool = False) -> XTLDataModule:
     return XTLDataModule([spec], tokenizer="tiny:", val_sources=heldout, predict_batch_size=16)
 
 
-def _module(**kwargs) -> GRPOModule:
+def _module(rollout: dict | None = None, updates: dict | None = None, **kwargs) -> GRPOModule:
+    """The tiny policy: 3 prompts x 4 completions of 6 tokens per rollout batch, 2 updates each."""
     settings = dict(
         judger=FunctionJudger(varied_reward),
         sampling=SamplingSettings(group_size=4, max_new_tokens=6),
-        prompts_per_step=3,
-        mini_batches=2,
+        rollout=RolloutSettings(**{"prompts_per_step": 3, **(rollout or {})}),
+        updates=UpdateSettings(**{"mini_batches": 2, **(updates or {})}),
         optimizer=AdamWConfig(lr=1e-2, weight_decay=0.0),
         schedule=ScheduleConfig(warmup_steps=0, kind="constant"),
     )
@@ -87,32 +101,24 @@ class TestPackSequences:
             torch.testing.assert_close(logps[i, : len(response)], want, rtol=0, atol=1e-5)
         assert (logps * (1 - mb.mask) == 0).all() and (entropy[mb.mask.bool()] > 0).all()
 
-    def test_an_empty_micro_batch_is_a_filler_without_completions(self) -> None:
-        mb = pack_sequences([], [])
-        assert mb.mask.numel() == 0 and mb.num_real_tokens == 2 and (mb.batch.labels == -100).all()
-
-    def test_state_round_trip(self) -> None:
-        mb = pack_sequences([([1, 2], [3]), ([4], [5, 6])], [0.5, -0.5])
-        mb.old_logps, mb.num_items = torch.randn(2, 2), 3.0
-        back = type(mb).from_state(mb.state())
-        assert torch.equal(back.batch.seq_ctx.input_ids, mb.batch.seq_ctx.input_ids)
-        assert torch.equal(back.batch.labels, mb.batch.labels) and torch.equal(back.old_logps, mb.old_logps)
-        assert back.num_items == 3.0 and torch.equal(back.rows, mb.rows)
-
 
 class TestTraining:
     def test_old_logps_are_kept_across_the_updates_of_a_rollout_batch(self, tmp_path) -> None:
         steps, _ = _fit(_module(), 3, tmp_path)
         first, second, third = steps[1], steps[2], steps[3]
-        assert first["train/ratio"] == 1.0 and first["train/clip_region"] == 0.0, "the first update is on-policy"
+        assert first["train/ratio"] == 1.0 and first["train/clip_ratio/region_mean"] == 0.0, "the first is on-policy"
         assert second["train/ratio"] != 1.0, "the second update of a batch compares with the sampling policy"
         assert third["train/ratio"] == 1.0, "a new rollout batch starts on-policy again"
         assert first["rollout/samples"] == 3 * 4 and first["rollout/completed"] + first["rollout/failed"] == 12
-        assert first["train/groups_with_signal"] > 0 and first["train/entropy"] > 0
-        assert {"train/reward", "train/reward_std", "train/response_length", "rollout/gen_seconds_p90"} <= set(first)
+        assert first["train/frac_reward_zero_std"] < 1 and first["train/entropy"] > 0
+        assert 0 < first["train/completions/min_length"] <= first["train/completions/mean_length"] <= 6
+        assert first["train/completions/max_length"] <= 6 and 0 <= first["train/completions/clipped_ratio"] <= 1
+        assert {"train/reward", "train/reward_std", "rollout/gen_seconds_p90", "train/clip_ratio/low_mean",
+                "train/clip_ratio/high_mean"} <= set(first)  # fmt: skip
+        assert "train/kl" not in first, "no KL term, no kl (as TRL)"
 
     def test_epochs_repeat_the_batch(self, tmp_path) -> None:
-        steps, _ = _fit(_module(mini_batches=1, epochs=2), 3, tmp_path)
+        steps, _ = _fit(_module(updates={"mini_batches": 1, "epochs": 2}), 3, tmp_path)
         assert steps[1]["train/ratio"] == 1.0 and steps[2]["train/ratio"] != 1.0 and steps[3]["train/ratio"] == 1.0
 
     def test_the_policy_learns_the_reward(self, tmp_path) -> None:
@@ -120,8 +126,8 @@ class TestTraining:
         module = _module(
             judger=FunctionJudger(lambda response, ground_truth: -len(response) / 10),
             sampling=SamplingSettings(group_size=8, max_new_tokens=8),
-            prompts_per_step=4,
-            mini_batches=1,
+            rollout={"prompts_per_step": 4},
+            updates={"mini_batches": 1},
         )
         steps, _ = _fit(module, 12, tmp_path)
         rewards = [steps[s]["train/reward"] for s in sorted(steps)]
@@ -130,7 +136,7 @@ class TestTraining:
     @pytest.mark.parametrize("reference", ["live", "adapters_off"])
     def test_kl_to_the_reference_is_zero_first_then_positive(self, tmp_path, reference) -> None:
         callbacks = [LoRA(rank=4)] if reference == "adapters_off" else []
-        module = _module(objective=PolicyLossConfig(beta=0.1), mini_batches=1)
+        module = _module(objective=PolicyLossConfig(beta=0.1), updates={"mini_batches": 1})
         steps, _ = _fit(module, 3, tmp_path, callbacks)
         assert module.resolved_reference == reference
         assert steps[1]["train/kl"] == 0.0 and steps[3]["train/kl"] > 0, steps
@@ -143,11 +149,47 @@ class TestTraining:
         assert 0 <= metrics["val/exact_match"] <= 1 and 0 <= metrics["val/reward"] <= 1
 
 
+class LoneJudgedSample(BaseJudger):
+    """Judges as :func:`varied_reward`, but fails every completion of each batch's first prompt except its first:
+    that one is completed and judged, yet its group has no other reward, so its advantage is ``NaN``."""
+
+    def __init__(self, group_size: int) -> None:
+        self.group_size = group_size
+
+    async def batch_judge(self, states):
+        for i, state in enumerate(states):
+            if 0 < i < self.group_size:
+                state.status, state.reward, state.error = "failed", None, "scripted failure"
+            else:
+                state.reward = {"score": varied_reward(state.response, state.ground_truth)}
+        return list(states)
+
+
+class TestAdvantages:
+    def test_samples_without_a_finite_advantage_do_not_train(self) -> None:
+        """A failed sample (no reward) and a completed one alone in its group (``NaN`` advantage) are dropped; the
+        other groups train with their advantages."""
+        module = _module()
+        lone = [Sample([1], [2], "stop", reward=1.0)] + [
+            Sample([1], [2], "stop", state=SampleState.FAILED) for _ in range(3)
+        ]
+        whole = [Sample([3], [4 + i], "stop", reward=float(i % 2)) for i in range(4)]
+        samples, advantages = module._advantages([Group({}, lone, 0), Group({}, whole, 0)])
+        assert samples == whole and all(math.isfinite(a) for a in advantages)
+        assert advantages == pytest.approx([-0.866, 0.866, -0.866, 0.866], abs=1e-3)
+
+    def test_a_run_whose_judging_fails_trains_on_the_judged_groups(self, tmp_path) -> None:
+        module = _module(judger=LoneJudgedSample(group_size=4))
+        steps, _ = _fit(module, 2, tmp_path)
+        assert steps[1]["rollout/failed"] == 3 and steps[1]["rollout/completed"] == 9
+        assert all(math.isfinite(steps[s]["train/loss"]) for s in (1, 2)), steps
+
+
 class TestResume:
     def test_a_run_stopped_between_the_updates_of_a_batch_resumes_exactly(self, tmp_path) -> None:
         """Stopped after step 3 (an update of the second batch pending, oversampled groups in the buffer): steps 4-6
         equal the uninterrupted run's, bit for bit."""
-        settings = dict(dynamic_sampling=True, oversample=3.0, max_rounds=2, max_staleness=4)
+        settings = dict(rollout=dict(dynamic_sampling=True, oversample=3.0, max_rounds=2, max_staleness=4))
         whole, _ = _fit(_module(**settings), 6, tmp_path / "a")
         first, trainer = _fit(_module(**settings), 6, tmp_path / "b", [StopAt(3)], every=3)
         assert trainer.lightning_module._pending and trainer.lightning_module.buffer.groups, "mid-batch, leftovers"
@@ -158,18 +200,62 @@ class TestResume:
         assert [resumed[s]["train/reward"] for s in (4, 5, 6)] == [whole[s]["train/reward"] for s in (4, 5, 6)]
 
 
+class TestCheckpointState:
+    """The RL state of every rank is gathered over the parallel layout's data group, and each rank restores its own
+    (here rank 1 of 2, with a stand-in for the strategy's layout and meshes)."""
+
+    GROUP = object()  # the data group's stand-in
+
+    @pytest.fixture
+    def rank_one_of_two(self, monkeypatch):
+        meshes = SimpleNamespace(data=SimpleNamespace(get_local_rank=lambda: 1))
+        strategy = SimpleNamespace(layout=ParallelLayout(dp_shard=2), meshes=meshes, data_group=lambda: self.GROUP)
+        monkeypatch.setattr(GRPOModule, "parallelizer", property(lambda module: strategy))
+        calls = []
+
+        def all_gather_object(out, obj, group=None):
+            calls.append(group)
+            out[:] = [{"rollout_metrics": {"rank": 0.0}}, obj]
+
+        monkeypatch.setattr("xtl.rl.module.dist.all_gather_object", all_gather_object)
+        return calls
+
+    def test_each_rank_restores_its_own_state(self, rank_one_of_two) -> None:
+        module = _module()
+        module._rollout_metrics = {"rank": 1.0}
+        checkpoint: dict = {}
+        module.on_save_checkpoint(checkpoint)
+        assert rank_one_of_two == [self.GROUP], "gathered over the data group"
+        assert [r["rollout_metrics"] for r in checkpoint["xtl_rl"]["ranks"]] == [{"rank": 0.0}, {"rank": 1.0}]
+        restored = _module()
+        restored.on_load_checkpoint(checkpoint)
+        assert restored._rollout_metrics == {"rank": 1.0}
+
+    def test_another_number_of_processes_is_refused(self, rank_one_of_two) -> None:
+        with pytest.raises(ConfigError, match=r"rollout state of 1 process\(es\), this run has 2"):
+            _module().on_load_checkpoint({"xtl_rl": {"ranks": [{}]}})
+
+
 class TestRefusals:
     def test_settings_out_of_range(self) -> None:
-        with pytest.raises(ConfigError, match="prompts_per_step must be >= 1"):
-            _module(prompts_per_step=0)
-        with pytest.raises(ConfigError, match="exceeds the samples"):
-            _module(mini_batches=13)
+        with pytest.raises(ConfigError, match=r"updates.mini_batches \(13\) exceeds the samples"):
+            _module(updates={"mini_batches": 13})
         with pytest.raises(ConfigError, match="needs a reference"):
             _module(objective=PolicyLossConfig(beta=0.1), reference="none")
-        with pytest.raises(ConfigError, match="overlong_buffer"):
-            _module(overlong_buffer=7)
-        with pytest.raises(ValueError, match="group_size"):
-            SamplingSettings(group_size=1)
+        with pytest.raises(ConfigError, match=r"rollout.overlong_buffer must be in \(0, sampling.max_new_tokens=6\]"):
+            _module(rollout={"overlong_buffer": 7})
+
+    def test_flat_keys_of_earlier_releases_name_their_group(self) -> None:
+        with pytest.raises(
+            ConfigError, match="prompts_per_step has moved to model.init_args.rollout.prompts_per_step"
+        ):
+            _module(prompts_per_step=3)
+        with pytest.raises(
+            ConfigError, match="importance_sampling_cap has moved to model.init_args.engine.importance"
+        ):
+            _module(importance_sampling_cap=3.0)
+        with pytest.raises(ConfigError, match="model.init_args.engine: vllm has moved to model.init_args.engine.name"):
+            _module(engine="vllm")
 
     def test_data_that_is_not_prompts(self, tmp_path) -> None:
         datamodule = XTLDataModule([SourceSpec("tiny:sft_train.jsonl")], tokenizer="tiny:", pack_max_length=256)
@@ -211,7 +297,8 @@ class TestRoutingReplay:
         log = DispatchLog()
         module = GRPOModule(
             self.MOE, judger=FunctionJudger(varied_reward), sampling=SamplingSettings(group_size=4, max_new_tokens=6),
-            prompts_per_step=3, mini_batches=2, routing_replay=True, optimizer=AdamWConfig(lr=5e-2),
+            rollout=RolloutSettings(prompts_per_step=3), updates=UpdateSettings(mini_batches=2), routing_replay=True,
+            optimizer=AdamWConfig(lr=5e-2),
             schedule=ScheduleConfig(warmup_steps=0, kind="constant"),
         )  # fmt: skip
         steps, _ = _fit(module, 2, tmp_path, [log])

@@ -80,7 +80,7 @@ class TestGRPOOnRay:
         from tests.rl.test_module import MODEL as TINY
         from tests.rl.test_module import _datamodule, varied_reward
         from xtl.model import MODEL_TYPES
-        from xtl.rl import FunctionJudger, GRPOModule
+        from xtl.rl import EngineSettings, FunctionJudger, GRPOModule, RolloutSettings
 
         config = dict(TINY)
         with torch.device("meta"):
@@ -89,8 +89,9 @@ class TestGRPOOnRay:
         model.init_weights()
         model.save_hf(tmp_path / "hf")
         module = GRPOModule(
-            str(tmp_path / "hf"), judger=FunctionJudger(varied_reward), engine="ray", ray={"num_actors": 1},
-            sampling=SamplingSettings(group_size=4, max_new_tokens=4), prompts_per_step=2,
+            str(tmp_path / "hf"), judger=FunctionJudger(varied_reward), sampling=SamplingSettings(group_size=4,
+            max_new_tokens=4), rollout=RolloutSettings(prompts_per_step=2), engine=EngineSettings("ray",
+            ray={"num_actors": 1}),
         )  # fmt: skip
         trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_progress_bar=False,
                              enable_checkpointing=False, default_root_dir=tmp_path, limit_val_batches=0)  # fmt: skip

@@ -7,9 +7,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from xtl.errors import ConfigError
 from xtl.model.hf import CheckpointReader
 from xtl.rl import LocalRolloutEngine, SamplingSettings, VLLMRolloutEngine, VLLMSettings
 from xtl.rl.rollout import hf_named_tensors
+from xtl.train.generation import GenerationConfig
 
 MODEL = dict(
     vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -115,6 +117,29 @@ class TestVLLMEngineLogic:
         model.materialize("cpu")
         names = [name for name, _ in hf_named_tensors(model)]
         assert "model.layers.0.mlp.experts.3.down_proj.weight" in names and len(names) == len(set(names))
+
+
+class TestSamplingSettings:
+    def test_a_generation_config_with_rls_group_size_and_defaults(self) -> None:
+        sampling = SamplingSettings(group_size=4, top_k=5, stop_token_ids=[7], seed=3)
+        assert isinstance(sampling, GenerationConfig) and sampling.do_sample
+        assert (sampling.temperature, sampling.max_new_tokens) == (1.0, 64), "RL samples by default"
+        config = sampling.generation_config(stop_token_ids=[9, 7])
+        assert type(config) is GenerationConfig and config.stop_token_ids == (7, 9)
+        assert (config.top_k, config.seed, config.temperature, config.max_new_tokens) == (5, 3, 1.0, 64)
+
+    @pytest.mark.parametrize(
+        ("settings", "says"),
+        [
+            ({"group_size": 1}, "model.init_args.sampling.group_size must be >= 2"),
+            ({"temperature": 0.0}, "model.init_args.sampling.temperature must be > 0 for sampling"),
+            ({"max_new_tokens": 0}, "model.init_args.sampling.max_new_tokens must be >= 1"),
+            ({"top_p": 1.5}, r"model.init_args.sampling.top_p must be in \(0, 1\]"),
+        ],
+    )
+    def test_out_of_range(self, settings, says) -> None:
+        with pytest.raises(ConfigError, match=says):
+            SamplingSettings(**settings)
 
 
 class TestLocalEngine:

@@ -35,6 +35,7 @@ from .test_preference_trl import (  # noqa: F401 - fixtures
     _offline_fp64_head,
     assert_rel,
     checkpoints,
+    logged_metrics,
     logps,
     pack,
     pair_count,
@@ -70,7 +71,7 @@ CASES = {
 
 
 def run_kto(policy: Path, reference: Path, tokenizer, tmp_path: Path, **config) -> tuple[float, dict, dict]:  # noqa: F811
-    """``KTOTrainer.compute_loss`` on the collated rows (policy in eval mode: metrics land in ``_metrics['eval']``)."""
+    """``KTOTrainer.compute_loss`` on the collated rows (policy in eval mode: its metrics are logged as ``eval_``)."""
     hf = {
         name: Qwen3ForCausalLM.from_pretrained(path, attn_implementation="sdpa", dtype=torch.float64).eval()
         for name, path in (("policy", policy), ("reference", reference))
@@ -88,7 +89,7 @@ def run_kto(policy: Path, reference: Path, tokenizer, tmp_path: Path, **config) 
     trainer.model.eval()
     with torch.no_grad():
         loss = trainer.compute_loss(trainer.model, batch)
-    metrics = {name: values[-1] for name, values in trainer._metrics["eval"].items()}
+    metrics = logged_metrics(trainer)
     return float(loss), metrics, batch
 
 

@@ -112,7 +112,7 @@ ONE_TOKEN_PROMPT_ROWS = [
 ]
 
 
-TRL_FUSED_LOGPROBS = trl_utils._ChunkedLogProbFunction
+TRL_FUSED_LOGPROBS = trl.kernels.ChunkedLogProbFunction  # what DPOTrainer's fused head calls (trl_utils imports it)
 
 
 class ExactLogProbs:
@@ -138,7 +138,9 @@ class ExactLogProbs:
 
 @pytest.fixture(autouse=True)
 def _offline_fp64_head(monkeypatch: pytest.MonkeyPatch) -> None:
-    """No hub access: everything is built locally. TRL's fused LM head computes in fp64 on fp64 models."""
+    """No hub access: everything is built locally. TRL's fused LM head computes in fp64 on fp64 models (TRL has no
+    public hook for its kernel: the name its trainer calls, ``trl.trainer.utils._ChunkedLogProbFunction``, is
+    replaced)."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
     monkeypatch.setattr(trl_utils, "_ChunkedLogProbFunction", ExactLogProbs)
@@ -228,6 +230,15 @@ class TrlRun:
     pairs: list[tuple[Sequence, Sequence]]
 
 
+def logged_metrics(trainer: object) -> dict[str, float]:
+    """What a TRL trainer in eval mode logs of the ``compute_loss`` calls since its last log (their mean, here of
+    one call), read back through the public ``Trainer.log`` and ``state.log_history``, without the ``eval_``
+    prefix."""
+    trainer.log({})
+    logged = trainer.state.log_history[-1]
+    return {key.removeprefix("eval_"): value for key, value in logged.items() if key.startswith("eval_")}
+
+
 def _common_args(tmp_path: Path, rows: list[dict]) -> dict:
     return dict(
         output_dir=str(tmp_path), report_to=[], use_cpu=True, bf16=False, fp16=False,
@@ -259,7 +270,7 @@ def _cpo_pairs(batch: dict) -> list[tuple[Sequence, Sequence]]:
 
 
 def run_dpo(weights: Weights, tokenizer, tmp_path: Path, rows: list[dict], **config) -> TrlRun:
-    """``DPOTrainer.compute_loss`` on the collated rows (policy in eval mode: metrics land in ``_metrics['eval']``);
+    """``DPOTrainer.compute_loss`` on the collated rows (policy in eval mode: its metrics are logged as ``eval_``);
     the per-sequence log-probabilities from its ``compute_ref_log_probs`` (the same fused-head call and sum)."""
     args = trl.DPOConfig(**_common_args(tmp_path, rows), **config)
     trainer = trl.DPOTrainer(
@@ -273,7 +284,8 @@ def run_dpo(weights: Weights, tokenizer, tmp_path: Path, rows: list[dict], **con
     trainer.model.eval()
     with torch.no_grad():
         loss = trainer.compute_loss(trainer.model, batch)
-    metrics = {name: trainer._metrics["eval"][name][-1] for name in METRICS}
+    logged = logged_metrics(trainer)
+    metrics = {name: logged[name] for name in METRICS}
     chosen_tokens, rejected_tokens = batch["completion_mask"].sum(dim=1).float().chunk(2)
     policy, reference = (
         SequenceLogps(*trainer.compute_ref_log_probs(model, batch), chosen_tokens, rejected_tokens)

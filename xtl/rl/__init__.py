@@ -1,8 +1,10 @@
-"""Reinforcement learning: judgers (:mod:`xtl.rl.judger`), rollout engines (:mod:`xtl.rl.rollout`), the replay
-buffer (:mod:`xtl.rl.buffer`), the policy losses (:mod:`xtl.rl.loss`), :class:`GRPOModule` (:mod:`xtl.rl.module`)
-and Ray actors for rollout and judging (:mod:`xtl.rl.remote`, imported on use: ``from xtl.rl.remote import
-RayJudger``)."""
+"""Reinforcement learning: judgers (:mod:`xtl.rl.judger`), rollout engines (:mod:`xtl.rl.rollout`) and the choice of
+one (:mod:`xtl.rl.engines`), the replay buffer (:mod:`xtl.rl.buffer`), the policy losses (:mod:`xtl.rl.loss`),
+rollout packing (:mod:`xtl.rl.packing`), :class:`GRPOModule` (:mod:`xtl.rl.module`) with its grouped settings
+(:mod:`xtl.rl.settings`) and Ray actors for rollout and judging (:mod:`xtl.rl.remote`, imported on use: ``from
+xtl.rl.remote import RayJudger``)."""
 
+from xtl.rl.engines import EngineSettings
 from xtl.rl.judger import (
     BaseJudger,
     ComposedJudger,
@@ -25,10 +27,12 @@ from xtl.rl.rollout import (
     VLLMRolloutEngine,
     VLLMSettings,
 )
+from xtl.rl.settings import RolloutSettings, UpdateSettings
 
 __all__ = [
     "BaseJudger",
     "ComposedJudger",
+    "EngineSettings",
     "ExactMatchJudger",
     "FormatJudger",
     "FunctionJudger",
@@ -40,9 +44,11 @@ __all__ = [
     "RegexJudger",
     "Rollout",
     "RolloutEngine",
+    "RolloutSettings",
     "RolloutState",
     "SamplingSettings",
     "SyncJudger",
+    "UpdateSettings",
     "VLLMRolloutEngine",
     "VLLMSettings",
 ]

@@ -16,23 +16,46 @@ dapo       sum over tokens                                          completion t
 =========  ======================================================  =================================
 
 (``bnpo`` and ``dapo`` differ in TRL only in how gradient accumulation rescales them; here both divide by the
-step's tokens.) The importance ratio is per token, or per sequence (GSPO: the exponent of the mean log-ratio of
-the sequence, ``importance_sampling: sequence``), clipped to ``[1 - epsilon_low, 1 + epsilon_high]`` (DAPO's
-clip-higher sets ``epsilon_high`` above ``epsilon_low``). With ``beta > 0`` the k3 estimator of the KL divergence
-to the reference is added per token.
+step's tokens.) :func:`loss_normalizer` is the one place that says what each loss type divides by. The importance
+ratio is per token, or per sequence (GSPO: the exponent of the mean log-ratio of the sequence,
+``importance_sampling: sequence``), clipped to ``[1 - epsilon_low, 1 + epsilon_high]`` (DAPO's clip-higher sets
+``epsilon_high`` above ``epsilon_low``). With ``beta > 0`` the k3 estimator of the KL divergence to the reference is
+added per token (TRL's with ``use_bias_correction_kl=False``: the KL term is not weighted by the importance ratio).
+
+:func:`policy_metrics` turns the step's summed statistics into the logged means, under TRL's names
+(``clip_ratio/low_mean``, ``clip_ratio/high_mean``, ``clip_ratio/region_mean``, ``kl``, ``entropy``) and ``ratio``
+(xtl's: the mean importance ratio).
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
-IMPORTANCE_LEVELS = ("token", "sequence")
-REWARD_SCALINGS = ("group", "batch", "none")
+from xtl.errors import ConfigError
+
+KEY = "model.init_args.objective"
+LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo"]
+ImportanceLevel = Literal["token", "sequence"]
+RewardScaling = Literal["group", "batch", "none"]
+LOSS_TYPES: tuple[str, ...] = get_args(LossType)
+IMPORTANCE_LEVELS: tuple[str, ...] = get_args(ImportanceLevel)
+REWARD_SCALINGS: tuple[str, ...] = get_args(RewardScaling)
 STD_EPS = 1e-4  # added to the reward std before dividing (TRL's constant)
+# logged name (TRL's where TRL logs the same quantity) -> (summed statistic, the count it is averaged over)
+POLICY_METRICS: dict[str, tuple[str, str]] = {
+    "clip_ratio/low_mean": ("clip_low", "clip_items"),
+    "clip_ratio/high_mean": ("clip_high", "clip_items"),
+    "clip_ratio/region_mean": ("clip_region", "clip_items"),
+    "ratio": ("ratio", "tokens"),
+    "kl": ("kl", "tokens"),
+    "entropy": ("entropy", "tokens"),
+}
+# every statistic of PolicyLoss.stats, in a fixed order (summed over micro-batches and ranks as one tensor)
+POLICY_STATS: tuple[str, ...] = tuple(dict.fromkeys(name for pair in POLICY_METRICS.values() for name in pair))
 
 
 @dataclass
@@ -53,32 +76,45 @@ class PolicyLossConfig:
             of the ``batch``, or not at all (``none``: Dr.GRPO).
 
     Raises:
-        ValueError: Naming the first setting out of range.
+        ConfigError: Naming the first setting out of range.
+
+    Warns:
+        UserWarning: Sequence-level importance sampling with a loss type that sums tokens (as TRL warns).
     """
 
-    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "grpo"
-    importance_sampling: Literal["token", "sequence"] = "token"
+    loss_type: LossType = "grpo"
+    importance_sampling: ImportanceLevel = "token"
     epsilon_low: float = 0.2
     epsilon_high: float | None = None
     beta: float = 0.0
-    scale_rewards: Literal["group", "batch", "none"] = "group"
+    scale_rewards: RewardScaling = "group"
 
     def __post_init__(self) -> None:
-        for name, value, allowed in (
-            ("loss_type", self.loss_type, LOSS_TYPES),
-            ("importance_sampling", self.importance_sampling, IMPORTANCE_LEVELS),
-            ("scale_rewards", self.scale_rewards, REWARD_SCALINGS),
+        for name, allowed in (
+            ("loss_type", LOSS_TYPES),
+            ("importance_sampling", IMPORTANCE_LEVELS),
+            ("scale_rewards", REWARD_SCALINGS),
         ):
+            value = getattr(self, name)
             if value not in allowed:
-                raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
+                raise ConfigError(f"{KEY}.{name} must be one of {', '.join(allowed)}, got {value!r}")
         if self.epsilon_high is None:
             self.epsilon_high = self.epsilon_low
         if not 0 <= self.epsilon_low < 1 or self.epsilon_high < 0:
-            raise ValueError(
-                f"epsilon_low must be in [0, 1) and epsilon_high >= 0, got {self.epsilon_low}, {self.epsilon_high}"
+            raise ConfigError(
+                f"{KEY}.epsilon_low must be in [0, 1) and epsilon_high >= 0, got {self.epsilon_low}, "
+                f"{self.epsilon_high}"
             )
         if self.beta < 0:
-            raise ValueError(f"beta must be >= 0, got {self.beta}")
+            raise ConfigError(f"{KEY}.beta must be >= 0, got {self.beta}")
+        if self.importance_sampling == "sequence" and self.loss_type != "grpo":  # TRL's warning
+            warnings.warn(
+                f"{KEY}: with importance_sampling: sequence, the {self.loss_type!r} loss sums per-token "
+                "contributions, which weights each sequence by its completion length instead of optimizing the "
+                "per-sequence objective; GSPO's setup is loss_type: grpo",
+                UserWarning,
+                stacklevel=3,
+            )
 
 
 torch.serialization.add_safe_globals([PolicyLossConfig])  # a hyperparameter in checkpoints (weights_only loads)
@@ -90,10 +126,12 @@ class PolicyLoss:
 
     Attributes:
         loss_sum: The loss summed as the loss type says (divide by the step's ``num_items``).
-        num_items: This batch's share of the normalizer (sequences, tokens, or sequences x max length).
-        stats: Sums for the step's metrics: ``tokens``, ``clip_low``, ``clip_high``, ``clip_region`` (clipped
-            tokens, or sequences under ``sequence`` importance, then counted per token), ``kl`` (k3, over tokens;
-            only with a reference), ``ratio`` (the importance ratio over tokens).
+        num_items: This batch's share of the normalizer (:func:`loss_normalizer`).
+        stats: Sums for the step's metrics (every name of :data:`POLICY_STATS`; :func:`policy_metrics` turns their
+            totals into means): ``tokens``; ``clip_items`` (tokens, or sequences under ``sequence`` importance: what
+            the clipping statistics count), ``clip_low``, ``clip_high``, ``clip_region`` (clipped tokens, or clipped
+            sequences); ``ratio`` (the importance ratio over tokens); ``kl`` (k3, over tokens; 0 without a KL term);
+            ``entropy`` (over tokens; 0 unless given).
     """
 
     loss_sum: torch.Tensor
@@ -130,6 +168,39 @@ def overlong_penalty(lengths: torch.Tensor, max_new_tokens: int, buffer: int, fa
     return torch.where(lengths <= free, torch.zeros_like(ramp), ramp.clamp(min=-factor))
 
 
+def loss_normalizer(
+    loss_type: str, sequences: int, tokens: float | torch.Tensor, max_completion_length: int | None = None
+) -> float | torch.Tensor:
+    """What a batch of ``sequences`` completions with ``tokens`` completion tokens adds to the step's normalizer.
+
+    The one place that says it (module docstring's table): ``grpo`` divides by sequences, ``dr_grpo`` by sequences x
+    ``max_completion_length``, ``bnpo`` and ``dapo`` by completion tokens (``tokens`` itself is returned, a tensor
+    stays a tensor).
+
+    Raises:
+        ValueError: ``dr_grpo`` without ``max_completion_length``; an unknown loss type.
+    """
+    if loss_type == "grpo":
+        return float(sequences)
+    if loss_type == "dr_grpo":
+        if max_completion_length is None:
+            raise ValueError("dr_grpo needs max_completion_length (the sampling's max_new_tokens)")
+        return float(sequences * max_completion_length)
+    if loss_type in ("bnpo", "dapo"):
+        return tokens
+    raise ValueError(f"loss_type must be one of {', '.join(LOSS_TYPES)}, got {loss_type!r}")
+
+
+def policy_metrics(totals: dict[str, torch.Tensor], config: PolicyLossConfig) -> dict[str, torch.Tensor]:
+    """The logged means (:data:`POLICY_METRICS`, TRL's names) of a step's ``stats`` summed over its micro-batches
+    and ranks; ``kl`` only with a KL term (``beta > 0``), as TRL logs it."""
+    return {
+        name: totals[value] / totals[count].clamp(min=1)
+        for name, (value, count) in POLICY_METRICS.items()
+        if name != "kl" or config.beta
+    }
+
+
 def k3_kl(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
     """The k3 estimate of ``KL(policy || reference)`` per token: ``exp(r - p) - (r - p) - 1``."""
     delta = ref_logps - logps
@@ -145,6 +216,7 @@ def policy_loss(
     ref_logps: torch.Tensor | None = None,
     max_completion_length: int | None = None,
     token_weights: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
 ) -> PolicyLoss:
     """The clipped policy-gradient loss of one batch of completions.
 
@@ -158,6 +230,7 @@ def policy_loss(
         max_completion_length: The constant length of ``dr_grpo``'s normalizer.
         token_weights: ``(B, T)`` weights of the policy term per token (the truncated importance-sampling correction
             of an engine whose numerics differ from the trainer's), applied before the KL term as TRL does.
+        entropy: ``(B, T)`` the policy's entropy per token (only summed for the metrics).
 
     Returns:
         PolicyLoss: The summed loss, its normalizer and metric sums.
@@ -176,29 +249,30 @@ def policy_loss(
     per_token = -torch.min(ratio * adv, clipped * adv)
     if token_weights is not None:
         per_token = per_token * token_weights
-    stats: dict[str, torch.Tensor] = {}
+    zero = torch.zeros((), dtype=logps.dtype, device=logps.device)
+    stats: dict[str, torch.Tensor] = {"kl": zero, "entropy": zero}
     if config.beta:
         if ref_logps is None:
             raise ValueError("beta > 0 needs the reference's log-probabilities (ref_logps)")
         kl = k3_kl(logps, ref_logps)
         per_token = per_token + config.beta * kl
         stats["kl"] = (kl * mask).sum().detach()
+    if entropy is not None:
+        stats["entropy"] = (entropy.detach() * mask).sum()
     per_token = per_token.expand_as(logps) * mask
     if config.loss_type == "grpo":
         loss_sum = (per_token.sum(-1) / tokens.clamp(min=1.0)).sum()
-        num_items = torch.tensor(float(logps.shape[0]), device=logps.device)
-    elif config.loss_type == "dr_grpo":
-        if max_completion_length is None:
-            raise ValueError("dr_grpo needs max_completion_length (the sampling's max_new_tokens)")
+    else:  # bnpo, dapo, dr_grpo: over tokens
         loss_sum = per_token.sum()
-        num_items = torch.tensor(float(logps.shape[0] * max_completion_length), device=logps.device)
-    else:  # bnpo, dapo: over tokens
-        loss_sum = per_token.sum()
-        num_items = tokens.sum().detach()
-    low = ((ratio < 1 - config.epsilon_low) & (adv < 0)).to(mask.dtype).expand_as(mask) * mask
-    high = ((ratio > 1 + config.epsilon_high) & (adv > 0)).to(mask.dtype).expand_as(mask) * mask
+    normalizer = loss_normalizer(config.loss_type, logps.shape[0], tokens.sum().detach(), max_completion_length)
+    num_items = torch.as_tensor(normalizer, dtype=logps.dtype, device=logps.device)
+    # clipped where the clipped ratio is the one taken (TRL's statistics): per token, or per sequence (GSPO)
+    items = (tokens > 0).to(mask.dtype).unsqueeze(-1) if config.importance_sampling == "sequence" else mask
+    low = ((ratio < 1 - config.epsilon_low) & (adv < 0)).to(mask.dtype) * items
+    high = ((ratio > 1 + config.epsilon_high) & (adv > 0)).to(mask.dtype) * items
     stats.update(
         tokens=tokens.sum().detach(),
+        clip_items=items.sum().detach(),
         clip_low=low.sum().detach(),
         clip_high=high.sum().detach(),
         clip_region=(low + high).sum().detach(),

@@ -13,63 +13,58 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 
+from xtl.errors import ConfigError
 from xtl.train.generation import GenerationConfig, generate
+
+KEY = "model.init_args.sampling"
 
 FinishReason = Literal["stop", "length", "abort"]
 
 
 @dataclass
-class SamplingSettings:
-    """How completions are sampled.
+class SamplingSettings(GenerationConfig):
+    """How completions are sampled: a :class:`~xtl.train.generation.GenerationConfig` (its fields, its checks) with
+    RL's group size, sampling at temperature 1 with 64 new tokens by default.
 
     Args:
         group_size: Completions per prompt (the group advantages are computed over).
-        temperature: Sampling temperature (> 0).
-        top_p: Nucleus sampling mass (1.0: off).
-        top_k: Keep the ``top_k`` most likely tokens (0: off).
+        temperature: Sampling temperature (> 0: RL samples).
         max_new_tokens: Tokens per completion at most (a completion cut there finishes with ``length``).
-        stop_token_ids: Extra stop tokens (the tokenizer's and the template's are always added).
-        seed: Seed of the sampling generator.
+        **fields: The other :class:`~xtl.train.generation.GenerationConfig` fields: ``top_p``, ``top_k``, ``seed``,
+            ``stop_token_ids`` (extra stop tokens: the tokenizer's and the template's are always added), ...
 
     Raises:
-        ValueError: Naming the first setting out of range.
+        ConfigError: Naming the first setting out of range (``model.init_args.sampling.<field>``).
     """
 
-    group_size: int = 8
     temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
     max_new_tokens: int = 64
-    stop_token_ids: tuple[int, ...] = ()
-    seed: int = 0
+    group_size: int = 8
 
     def __post_init__(self) -> None:
         if self.group_size < 2:
-            raise ValueError(
-                f"group_size must be >= 2 (advantages compare completions of a prompt), got {self.group_size}"
+            raise ConfigError(
+                f"{KEY}.group_size must be >= 2 (advantages compare completions of a prompt), got {self.group_size}"
             )
         if self.temperature <= 0:
-            raise ValueError(f"temperature must be > 0 for sampling, got {self.temperature}")
-        self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
-        self.generation_config()  # the remaining checks
+            raise ConfigError(f"{KEY}.temperature must be > 0 for sampling, got {self.temperature}")
+        try:
+            super().__post_init__()
+        except ValueError as err:  # GenerationConfig's messages start with the field's name
+            raise ConfigError(f"{KEY}.{err}") from err
 
-    def generation_config(self, stop_token_ids: Iterable[int] = (), pad_token_id: int = 0) -> GenerationConfig:
-        """These settings as :func:`~xtl.train.generation.generate` takes them, with ``stop_token_ids`` added."""
-        return GenerationConfig(
-            max_new_tokens=self.max_new_tokens,
-            temperature=self.temperature,
-            top_k=self.top_k,
-            top_p=self.top_p,
-            seed=self.seed,
-            stop_token_ids=tuple(sorted({*self.stop_token_ids, *stop_token_ids})),
-            pad_token_id=pad_token_id,
-        )
+    def generation_config(self, stop_token_ids: Iterable[int] = ()) -> GenerationConfig:
+        """The plain :class:`~xtl.train.generation.GenerationConfig` of these settings (what
+        :func:`~xtl.train.generation.generate` takes), with ``stop_token_ids`` added."""
+        decoding = {f.name: getattr(self, f.name) for f in fields(GenerationConfig)}
+        stop = tuple(sorted({*self.stop_token_ids, *stop_token_ids}))
+        return GenerationConfig(**{**decoding, "stop_token_ids": stop})
 
 
 torch.serialization.add_safe_globals([SamplingSettings])  # a hyperparameter in checkpoints (weights_only loads)

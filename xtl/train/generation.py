@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -27,7 +27,8 @@ from xtl.data.templates import HF_TEMPLATE, TEMPLATES, get_template
 from xtl.model import BaseModel
 from xtl.module.kv_cache import KVCache
 
-PREFILLS = ("packed", "padded")
+Prefill = Literal["packed", "padded"]
+PREFILLS: tuple[str, ...] = get_args(Prefill)
 THINK_END = "</think>"
 
 
@@ -57,7 +58,7 @@ class GenerationConfig:
     seed: int = 0
     stop_token_ids: tuple[int, ...] = ()
     pad_token_id: int = 0
-    prefill: Literal["packed", "padded"] = "packed"
+    prefill: Prefill = "packed"
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:

@@ -13,17 +13,19 @@ batch is TRL's mean.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 import torch.nn.functional as F
 
 from xtl.errors import ConfigError
 
-LossType = Literal["sigmoid", "hinge", "ipo", "robust", "simpo", "orpo", "kto", "apo_zero_unpaired"]
-LOSS_TYPES: tuple[str, ...] = ("sigmoid", "hinge", "ipo", "robust", "simpo", "orpo", "kto", "apo_zero_unpaired")
+PairedLossType = Literal["sigmoid", "hinge", "ipo", "robust", "simpo", "orpo"]  # chosen/rejected pairs
+UnpairedLossType = Literal["kto", "apo_zero_unpaired"]  # rows labeled desirable or not
+LossType = Literal[PairedLossType, UnpairedLossType]
+LOSS_TYPES: tuple[str, ...] = get_args(LossType)
 REFERENCE_FREE: frozenset[str] = frozenset({"simpo", "orpo"})
-UNPAIRED: frozenset[str] = frozenset({"kto", "apo_zero_unpaired"})
+UNPAIRED: frozenset[str] = frozenset(get_args(UnpairedLossType))
 METRICS = (
     "rewards/chosen",
     "rewards/rejected",

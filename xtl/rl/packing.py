@@ -1,0 +1,151 @@
+"""Rollout packing: prompt + completion sequences as packed micro-batches with what the policy loss needs of them.
+
+:func:`pack_sequences` lays sequences end to end in one packed ``(1, T)`` batch labelled on the completions and
+indexes their completion tokens as padded ``(B, T)`` rows; :func:`cut_micro_batches` deals the samples of one
+update into its micro-batches, each with its share of the loss normalizer (:func:`xtl.rl.loss.loss_normalizer`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+import torch
+
+from xtl.batch import SequenceContext
+from xtl.data.collate import MicroBatch, collate_pack
+from xtl.data.item import IGNORE_INDEX
+from xtl.data.packing import Pack
+from xtl.rl.buffer import Sample
+from xtl.rl.loss import loss_normalizer
+
+
+@dataclass
+class RLMicroBatch:
+    """A packed micro-batch of prompt + completion sequences and what the policy loss needs of it.
+
+    Attributes:
+        batch: The packed sequences (labels on completion tokens only).
+        positions: ``(N,)`` packed positions whose next token is a completion token.
+        rows: ``(B, T)`` index into ``positions`` of each sequence's completion tokens (0 where ``mask`` is 0).
+        mask: ``(B, T)`` 1 on completion tokens.
+        advantages: ``(B,)`` per sequence.
+        old_logps: ``(B, T)`` the sampling policy's log-probabilities (set once the batch is produced).
+        ref_logps: ``(B, T)`` the reference's (with a KL term).
+        num_items: This micro-batch's share of the loss normalizer.
+        sampling_logps: ``(B, T)`` the rollout engine's log-probabilities (engines that return them, e.g. vLLM).
+        routed_experts: Per MoE layer, the ``(N, k)`` experts its tokens went to when the old log-probabilities were
+            computed (routing replay).
+        sequences: ``(prompt ids, completion ids)`` of each sequence (what a checkpoint keeps).
+    """
+
+    batch: MicroBatch
+    positions: torch.Tensor
+    rows: torch.Tensor
+    mask: torch.Tensor
+    advantages: torch.Tensor
+    old_logps: torch.Tensor | None = None
+    ref_logps: torch.Tensor | None = None
+    num_items: float = 0.0
+    sampling_logps: torch.Tensor | None = None
+    routed_experts: list[torch.Tensor] | None = None
+    sequences: list[tuple[list[int], list[int]]] | None = None
+
+    @property
+    def seq_ctx(self) -> SequenceContext:
+        """The packed batch's sequence context."""
+        return self.batch.seq_ctx
+
+    @property
+    def num_real_tokens(self) -> int:
+        """Tokens of the packed sequences."""
+        return self.batch.num_real_tokens
+
+    def to(self, device: torch.device | str) -> RLMicroBatch:
+        """This micro-batch on ``device``."""
+        move = {k: None if v is None else v.to(device) for k, v in self._tensors().items()}
+        routed = None if self.routed_experts is None else [ids.to(device) for ids in self.routed_experts]
+        return replace(self, batch=self.batch.to(device), routed_experts=routed, **move)
+
+    def state(self) -> dict[str, Any]:
+        """Plain data for a checkpoint: the sequences, advantages, log-probabilities and normalizer share."""
+        return {
+            "sequences": self.sequences or [],
+            "advantages": self.advantages.cpu(),
+            "old_logps": None if self.old_logps is None else self.old_logps.cpu(),
+            "ref_logps": None if self.ref_logps is None else self.ref_logps.cpu(),
+            "sampling_logps": None if self.sampling_logps is None else self.sampling_logps.cpu(),
+            "routed_experts": None if self.routed_experts is None else [ids.cpu() for ids in self.routed_experts],
+            "num_items": self.num_items,
+        }
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> RLMicroBatch:
+        """Rebuild a micro-batch from :meth:`state`."""
+        mb = pack_sequences(state["sequences"], state["advantages"].tolist())
+        mb.old_logps, mb.ref_logps, mb.num_items = state["old_logps"], state["ref_logps"], float(state["num_items"])
+        mb.sampling_logps, mb.routed_experts = state.get("sampling_logps"), state.get("routed_experts")
+        return mb
+
+    def _tensors(self) -> dict[str, torch.Tensor | None]:
+        names = ("positions", "rows", "mask", "advantages", "old_logps", "ref_logps", "sampling_logps")
+        return {k: getattr(self, k) for k in names}
+
+
+def pack_sequences(sequences: list[tuple[list[int], list[int]]], advantages: list[float]) -> RLMicroBatch:
+    """One packed micro-batch of ``(prompt ids, completion ids)`` sequences, labelled on the completions (no
+    sequences: a 2-token filler without labels, which every rank can forward when parameters are sharded)."""
+    if not sequences:
+        mb = collate_pack(Pack(-1, np.zeros(2, dtype=np.int64), np.full(2, IGNORE_INDEX, dtype=np.int64), [2]))
+        empty = torch.zeros(0, 1, dtype=torch.long)
+        return RLMicroBatch(mb, torch.zeros(0, dtype=torch.long), empty, empty.float(), torch.zeros(0), sequences=[])
+    ids: list[int] = []
+    labels: list[int] = []
+    for prompt, response in sequences:
+        ids += [*prompt, *response]
+        labels += [IGNORE_INDEX] * len(prompt) + list(response)
+    lengths = [len(p) + len(r) for p, r in sequences]
+    mb = collate_pack(Pack(-1, np.asarray(ids, dtype=np.int64), np.asarray(labels, dtype=np.int64), lengths))
+    positions = torch.nonzero(mb.labels[0] != IGNORE_INDEX).squeeze(-1)
+    width = max(len(r) for _, r in sequences)
+    rows = torch.zeros(len(sequences), width, dtype=torch.long)
+    mask = torch.zeros(len(sequences), width)
+    offset = 0
+    for i, (_, response) in enumerate(sequences):
+        rows[i, : len(response)] = torch.arange(offset, offset + len(response))
+        mask[i, : len(response)] = 1.0
+        offset += len(response)
+    advantages_t = torch.tensor(advantages, dtype=torch.float32)
+    return RLMicroBatch(mb, positions, rows, mask, advantages_t, sequences=[(list(p), list(r)) for p, r in sequences])
+
+
+def cut_micro_batches(
+    samples: Sequence[tuple[Sample, float]], parts: int, loss_type: str, max_new_tokens: int
+) -> list[RLMicroBatch]:
+    """``parts`` packed micro-batches of one update's ``(sample, advantage)`` pairs, dealt round-robin (an empty one
+    is a filler), each with its share of ``loss_type``'s normalizer and the engine's log-probabilities when every
+    sample has them.
+
+    Args:
+        samples: The update's samples with their advantages.
+        parts: Micro-batches to cut (the same on every rank).
+        loss_type: The objective's loss type (what the normalizer counts).
+        max_new_tokens: The sampling budget (``dr_grpo``'s constant length).
+    """
+    out = []
+    for part in split_round_robin(list(samples), parts):
+        mb = pack_sequences([(s.prompt_ids, s.response_ids) for s, _ in part], [a for _, a in part])
+        if part and all(s.logprobs is not None for s, _ in part):
+            mb.sampling_logps = torch.zeros_like(mb.mask)
+            for i, (sample, _) in enumerate(part):
+                mb.sampling_logps[i, : len(sample.logprobs)] = torch.tensor(sample.logprobs)
+        mb.num_items = float(loss_normalizer(loss_type, len(part), int(mb.mask.sum()), max_new_tokens))
+        out.append(mb)
+    return out
+
+
+def split_round_robin(items: list[Any], parts: int) -> list[list[Any]]:
+    """``items`` dealt round-robin into ``parts`` lists (some may be empty)."""
+    return [items[i::parts] for i in range(parts)]
