@@ -138,7 +138,7 @@ class TestTraining:
         callbacks = [LoRA(rank=4)] if reference == "adapters_off" else []
         module = _module(objective=PolicyLossConfig(beta=0.1), updates={"mini_batches": 1})
         steps, _ = _fit(module, 3, tmp_path, callbacks)
-        assert module.resolved_reference == reference
+        assert module.reference.mode == reference
         assert steps[1]["train/kl"] == 0.0 and steps[3]["train/kl"] > 0, steps
 
     def test_validation_judges_greedy_answers(self, tmp_path) -> None:
@@ -240,7 +240,7 @@ class TestRefusals:
     def test_settings_out_of_range(self) -> None:
         with pytest.raises(ConfigError, match=r"updates.mini_batches \(13\) exceeds the samples"):
             _module(updates={"mini_batches": 13})
-        with pytest.raises(ConfigError, match="needs a reference"):
+        with pytest.raises(ConfigError, match="reference: none, but the objective compares with a reference"):
             _module(objective=PolicyLossConfig(beta=0.1), reference="none")
         with pytest.raises(ConfigError, match=r"rollout.overlong_buffer must be in \(0, sampling.max_new_tokens=6\]"):
             _module(rollout={"overlong_buffer": 7})

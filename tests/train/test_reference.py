@@ -13,7 +13,7 @@ from trl.trainer.callbacks import SyncRefModelCallback
 
 from xtl.callbacks import LoRA
 from xtl.errors import ConfigError
-from xtl.rl import GRPOModule
+from xtl.rl import GRPOModule, PolicyLossConfig
 from xtl.train import PreferenceModule
 from xtl.train.reference import ReferenceConfig, ReferencePolicy, reference_config
 
@@ -49,7 +49,7 @@ class TestSettings:
         with pytest.raises(ConfigError, match="precomputed reads a table computed before training"):
             ReferencePolicy(ReferenceConfig("precomputed"), needs_reference=True, precomputable=False)
         with pytest.raises(ConfigError, match="precomputed reads a table computed before training"):
-            GRPOModule(MODEL, reference="precomputed", objective={"beta": 0.1})
+            GRPOModule(MODEL, reference="precomputed", objective=PolicyLossConfig(beta=0.1))
 
 
 class TestModes:

@@ -19,7 +19,6 @@ import torch
 import torch.distributed as dist
 
 from xtl.errors import ConfigError
-from xtl.module.lora import lora_layers
 from xtl.rl.rollout import LocalRolloutEngine, RolloutEngine, VLLMRolloutEngine, VLLMSettings
 
 KEY = "model.init_args.engine"
@@ -81,16 +80,18 @@ def start_engine(
         group: The ranks that decode in lockstep with the local engine (sharded parameters; ``None``: this rank).
 
     Raises:
-        ConfigError: ``vllm`` or ``ray`` without an HF directory or under LoRA (they sync whole weights); ``vllm``
-            without a GPU.
+        ConfigError: ``vllm`` or ``ray`` without an HF directory or when the run trains adapters such as LoRA's
+            (they sync whole weights); ``vllm`` without a GPU.
     """
     name = settings.name
     if name == "local":
         return LocalRolloutEngine(model, group=group)
     if hf_dir is None:
         raise ConfigError(f"{KEY}.name: {name} starts from an HF model directory: set model.init_args.model to one")
-    if any(True for _ in lora_layers(model)):
-        raise ConfigError(f"{KEY}.name: {name} syncs whole weights, not LoRA adapters: use local")
+    if model.adapter_tensors():
+        raise ConfigError(
+            f"{KEY}.name: {name} syncs whole weights, not the adapters (LoRA) this run trains: use local"
+        )
     if name == "ray":
         from xtl.rl.remote import RayRolloutEngine
 

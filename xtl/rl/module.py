@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import torch
@@ -24,8 +24,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_info
 
 from xtl.errors import ConfigError
-from xtl.model import BaseModel, ModelOutput
-from xtl.module.lora import adapters_disabled, lora_layers
+from xtl.model import ModelOutput
 from xtl.rl.buffer import Group, ProduceStats, ReplayBuffer, Sample, SampleState, produce_batch
 from xtl.rl.engines import EngineSettings, start_engine
 from xtl.rl.judger import BaseJudger, MathJudger, RolloutState
@@ -35,8 +34,8 @@ from xtl.rl.rollout import RolloutEngine, SamplingSettings
 from xtl.rl.settings import RolloutSettings, UpdateSettings, moved_key
 from xtl.train.base import LanguageModule
 from xtl.train.generation import GenerationConfig, chat_prompt_ids, generate, split_thinking, stop_token_ids
-
-ReferenceMode = Literal["auto", "live", "adapters_off", "none"]
+from xtl.train.reference import ReferenceConfig, ReferenceMode, ReferencePolicy, reference_config
+from xtl.train.scorer import pack_values, score_tokens
 
 
 class GRPOModule(LanguageModule):
@@ -53,9 +52,12 @@ class GRPOModule(LanguageModule):
         updates: How each rollout batch is cut into optimizer steps: mini-batches, epochs, micro-batches.
         engine: The rollout engine (``local``, ``vllm``, ``ray``), its settings and the truncated importance-sampling
             cap.
-        reference: Where the KL term's reference comes from (``objective.beta > 0``): ``live`` (a frozen copy of the
-            starting weights), ``adapters_off`` (the policy with its LoRA adapters off), ``auto`` (``none`` without a
-            KL term, ``adapters_off`` under LoRA, else ``live``) or ``none``.
+        reference: Where the KL term's reference comes from (``objective.beta > 0``;
+            :class:`~xtl.train.reference.ReferenceConfig` or a mode name): ``auto`` (``none`` without a KL term,
+            ``adapters_off`` under fresh LoRA adapters, else ``live``), ``live`` (the starting policy, frozen: a copy,
+            or under LoRA the policy with its starting adapters), ``adapters_off``, ``model`` (a separate model) or
+            ``none``; with ``sync_every``, TRL's ``sync_ref_model``. Not ``precomputed``: completions are sampled
+            while training.
         eval_max_new_tokens: Greedy decoding budget of the held-out evaluation (default ``sampling.max_new_tokens``).
         routing_replay: MoE policies: record the experts every token goes to in the forward that gives the old
             log-probabilities (at rollout time) and route the updates' forwards the same way, so the importance ratio
@@ -79,7 +81,7 @@ class GRPOModule(LanguageModule):
         rollout: RolloutSettings = RolloutSettings(),
         updates: UpdateSettings = UpdateSettings(),
         engine: EngineSettings = EngineSettings(),
-        reference: ReferenceMode = "auto",
+        reference: ReferenceMode | ReferenceConfig = "auto",
         eval_max_new_tokens: int | None = None,
         routing_replay: bool = False,
         **kwargs: Any,
@@ -95,8 +97,6 @@ class GRPOModule(LanguageModule):
                 f"model.init_args.updates.mini_batches ({updates.mini_batches}) exceeds the samples of a rollout "
                 f"batch (rollout.prompts_per_step x sampling.group_size = {samples})"
             )
-        if reference == "none" and objective.beta > 0:
-            raise ConfigError("model.init_args.reference: none, but objective.beta > 0 needs a reference; use auto")
         if rollout.overlong_buffer is not None and rollout.overlong_buffer > sampling.max_new_tokens:
             raise ConfigError(
                 f"model.init_args.rollout.overlong_buffer must be in (0, sampling.max_new_tokens="
@@ -108,13 +108,12 @@ class GRPOModule(LanguageModule):
         self.rollout = rollout
         self.updates = updates
         self.engine_settings = engine
-        self.reference_mode = reference
+        self.reference = ReferencePolicy(reference_config(reference), objective.beta > 0, precomputable=False)
         self.eval_max_new_tokens = eval_max_new_tokens or sampling.max_new_tokens
         self.routing_replay = routing_replay
         self.buffer = ReplayBuffer(rollout.max_staleness)
         self.engine: RolloutEngine | None = None
         self._synced_step = -1
-        self._reference: list[BaseModel] = []  # a list: not a submodule
         self._pending: list[list[RLMicroBatch]] = []
         self._rollout_metrics: dict[str, float] = {}
         self._engine_state: dict[str, Any] = {}
@@ -122,33 +121,18 @@ class GRPOModule(LanguageModule):
 
     # ---- model -----------------------------------------------------------------------------------------------
 
-    @property
-    def resolved_reference(self) -> str:
-        """The reference mode in effect (``auto`` resolved once the model is built)."""
-        if self.reference_mode != "auto":
-            return self.reference_mode
-        if self.objective.beta == 0:
-            return "none"
-        lora = self.model is not None and any(True for _ in lora_layers(self.model))
-        return "adapters_off" if lora else "live"
-
     def configure_model(self) -> None:
-        """Build the policy, then the reference the KL term needs."""
+        """Build the policy and its reference (:meth:`LanguageModule.configure_model`); refuse routing replay for a
+        model without routed experts."""
         if self.model is not None:
             return
         super().configure_model()
-        self._reference = self.build_reference(self.resolved_reference)
         if self.routing_replay and not self.model.moe_blocks():
             raise ConfigError("model.init_args.routing_replay: the model has no routed experts to replay; remove it")
 
     def setup(self, stage: str) -> None:
-        """Refuse what RL cannot run: context parallelism, data that is not prompts, models with images."""
+        """Refuse what RL cannot run: data that is not prompts, models with images."""
         super().setup(stage)
-        if self.parallelizer.layout.cp > 1:
-            raise ConfigError(
-                "GRPOModule generates whole sequences on each rank: set trainer.strategy.init_args."
-                "context_parallel_size to 1"
-            )
         if self.family.name.startswith("vision"):
             raise ConfigError("GRPOModule trains text models; a vision-language policy is not supported yet")
         datamodule = getattr(self._trainer, "datamodule", None)
@@ -168,8 +152,9 @@ class GRPOModule(LanguageModule):
         rank_zero_info(
             f"xtl rl: {objective.loss_type} ({objective.importance_sampling}-level ratio, clip "
             f"[{1 - objective.epsilon_low:g}, {1 + objective.epsilon_high:g}], beta {objective.beta}, reference "
-            f"{self.resolved_reference}); {self.rollout.prompts_per_step} prompts x {self.sampling.group_size} "
-            f"completions per rank and rollout batch, {self.updates.steps_per_batch} optimizer step(s) each"
+            f"{self.reference.mode}: {self.reference.describe()}); {self.rollout.prompts_per_step} prompts x "
+            f"{self.sampling.group_size} completions per rank and rollout batch, {self.updates.steps_per_batch} "
+            "optimizer step(s) each"
         )
 
     # ---- training --------------------------------------------------------------------------------------------
@@ -178,7 +163,7 @@ class GRPOModule(LanguageModule):
         """One optimizer step on the next pending update (producing a rollout batch first when none is left)."""
         if not self._pending:
             self._produce()
-        update = [mb.to(self.device) for mb in self._pending.pop(0)]
+        update = [self._on_device(mb) for mb in self._pending.pop(0)]
         sums: list[dict[str, torch.Tensor]] = []
 
         def forward(mb: RLMicroBatch) -> ModelOutput:
@@ -219,8 +204,9 @@ class GRPOModule(LanguageModule):
         stop_ids = tuple(sorted({*self.sampling.stop_token_ids, *stop}))
         config = GenerationConfig(max_new_tokens=self.eval_max_new_tokens, stop_token_ids=stop_ids)  # greedy
         prompts = [self._render(row) for row in batch]
-        group = self.parallelizer.data_group() if self.parallelizer.shards_parameters else None
-        outputs = generate(self.model, prompts, config, group=group).sequences
+        group = self.parallelizer.world_group() if self.parallelizer.shards_parameters else None
+        with self.parallelizer.whole_sequences(self.model):
+            outputs = generate(self.model, prompts, config, group=group).sequences
         states, exact = [], []
         for row, out in zip(batch, outputs, strict=True):
             answer = split_thinking(tokenizer.decode([t for t in out if t not in stop]))[1]
@@ -291,7 +277,7 @@ class GRPOModule(LanguageModule):
 
     def _start_engine(self) -> RolloutEngine:
         rank = self.trainer.datamodule.data_parallel_rank()[0]
-        group = self.parallelizer.data_group() if self.parallelizer.shards_parameters else None
+        group = self.parallelizer.world_group() if self.parallelizer.shards_parameters else None
         return start_engine(
             self.engine_settings, self.model, self.hf_dir, self.device, seed=self.sampling.seed + rank, group=group
         )
@@ -312,8 +298,28 @@ class GRPOModule(LanguageModule):
         if self._synced_step != self.global_step:  # the engine samples with the weights of this step
             self.engine.sync_weights(self.model)
             self._synced_step = self.global_step
+        with self.parallelizer.whole_sequences(self.model):  # a context-parallel group decodes whole sequences
+            groups, stats = self._produce_groups(datamodule, tokenizer, sampling, stop)
+        samples, advantages = self._advantages(groups)
+        self._rollout_metrics = self._metrics(stats, groups, samples)
+        updates = [
+            cut_micro_batches(
+                chunk, self.updates.micro_batches, self.objective.loss_type, self.sampling.max_new_tokens
+            )
+            for chunk in split_round_robin(list(zip(samples, advantages)), self.updates.mini_batches)
+        ]
+        with torch.no_grad():
+            for update in updates:
+                for mb in update:
+                    self._fill_logps(mb)
+        self._pending = [list(update) for _ in range(self.updates.epochs) for update in updates]
+
+    def _produce_groups(
+        self, datamodule: Any, tokenizer: Any, sampling: SamplingSettings, stop: tuple[int, ...]
+    ) -> tuple[list[Group], ProduceStats]:
+        """Draw prompts, sample their groups with the engine, judge and shape them (one rollout batch's groups)."""
         rollout = self.rollout
-        groups, stats = produce_batch(
+        return produce_batch(
             rollout.prompts_per_step,
             datamodule.take,
             self._render,
@@ -330,19 +336,6 @@ class GRPOModule(LanguageModule):
             rollout.oversample,
             self._most_over_data_ranks,
         )
-        samples, advantages = self._advantages(groups)
-        self._rollout_metrics = self._metrics(stats, groups, samples)
-        updates = [
-            cut_micro_batches(
-                chunk, self.updates.micro_batches, self.objective.loss_type, self.sampling.max_new_tokens
-            )
-            for chunk in split_round_robin(list(zip(samples, advantages)), self.updates.mini_batches)
-        ]
-        with torch.no_grad():
-            for update in updates:
-                for mb in update:
-                    self._fill_logps(mb)
-        self._pending = [list(update) for _ in range(self.updates.epochs) for update in updates]
 
     def _most_over_data_ranks(self, count: int) -> int:
         """The largest ``count`` over the data-parallel ranks (``count`` itself on one rank)."""
@@ -398,7 +391,9 @@ class GRPOModule(LanguageModule):
         return out
 
     def _fill_logps(self, mb: RLMicroBatch) -> None:
-        device_mb = mb.to(self.device)
+        """The old log-probabilities of a produced micro-batch (recording the routing under routing replay) and,
+        with a KL term, the reference's."""
+        device_mb = self._on_device(mb)
         blocks = self.model.moe_blocks() if self.routing_replay else []
         for block in blocks:
             block.record_routing(True)
@@ -409,12 +404,9 @@ class GRPOModule(LanguageModule):
                 block.record_routing(False)
         if blocks:
             mb.routed_experts = [block.recorded.cpu() for block in blocks]
-        mode = self.resolved_reference
-        if mode == "live":
-            mb.ref_logps = self._token_logps(self._reference[0], device_mb)[0].cpu()
-        elif mode == "adapters_off":
-            with adapters_disabled(self.model):
-                mb.ref_logps = self._token_logps(self.model, device_mb)[0].cpu()
+        if self.reference.computes_live:
+            with self.reference.computing(self.model) as reference:
+                mb.ref_logps = self._token_logps(reference, device_mb)[0].cpu()
 
     def _replay(self, routed: list[torch.Tensor] | None) -> None:
         """Route the policy's next forwards to ``routed`` (per MoE layer; ``None``: the routers choose)."""
@@ -423,18 +415,26 @@ class GRPOModule(LanguageModule):
         for i, block in enumerate(self.model.moe_blocks()):
             block.replay_routing(None if routed is None else routed[i])
 
+    def _on_device(self, mb: RLMicroBatch) -> RLMicroBatch:
+        """``mb`` on this device, forwarding this rank's context-parallel share of it (cut on the host) under
+        context parallelism."""
+        share = self.on_before_batch_transfer([mb.batch], 0)[0]
+        return mb.to(self.device, share=None if share is mb.batch else share)
+
     def _token_logps(
         self, model: torch.nn.Module, mb: RLMicroBatch, with_entropy: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``(B, T)`` log-probabilities (at the sampling temperature) of the completion tokens, and their entropy."""
-        out = model(seq_ctx=mb.seq_ctx, return_logits=True, logits_to_keep=mb.positions)
-        logits = out.logits[0].float() / self.sampling.temperature
-        logprobs = torch.log_softmax(logits, dim=-1)
-        targets = mb.batch.labels[0].index_select(0, mb.positions)
-        flat = logprobs.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-        logps = flat[mb.rows] * mb.mask
+        """``(B, T)`` log-probabilities (at the sampling temperature) of the completion tokens, and their entropy:
+        this rank scores what it forwards (:func:`~xtl.train.scorer.score_tokens`) and the completion tokens of the
+        whole pack are gathered over the context-parallel group (:func:`~xtl.train.scorer.pack_values`), so every
+        rank of the group holds the whole rollout's values."""
+        forwarded, temperature = mb.forwarded, self.sampling.temperature
+        scores = score_tokens(
+            model, forwarded.seq_ctx, forwarded.labels, temperature=temperature, entropy=with_entropy
+        )
+        group = self.parallelizer.meshes.cp_group()
+        logps = pack_values(scores, mb.positions, group=group)[mb.rows] * mb.mask
         entropy = None
         if with_entropy:
-            flat_entropy = -(logprobs.exp() * logprobs).sum(-1).detach()
-            entropy = flat_entropy[mb.rows] * mb.mask
+            entropy = pack_values(scores, mb.positions, scores.entropy, group)[mb.rows] * mb.mask
         return logps, entropy

@@ -39,6 +39,8 @@ class RLMicroBatch:
         routed_experts: Per MoE layer, the ``(N, k)`` experts its tokens went to when the old log-probabilities were
             computed (routing replay).
         sequences: ``(prompt ids, completion ids)`` of each sequence (what a checkpoint keeps).
+        share: The part of ``batch`` this rank forwards under context parallelism (its share, cut on the host), set
+            when the micro-batch is put on the device; ``None``: the whole batch.
     """
 
     batch: MicroBatch
@@ -52,22 +54,29 @@ class RLMicroBatch:
     sampling_logps: torch.Tensor | None = None
     routed_experts: list[torch.Tensor] | None = None
     sequences: list[tuple[list[int], list[int]]] | None = None
+    share: MicroBatch | None = None
+
+    @property
+    def forwarded(self) -> MicroBatch:
+        """What this rank forwards: its context-parallel share, or the whole batch."""
+        return self.batch if self.share is None else self.share
 
     @property
     def seq_ctx(self) -> SequenceContext:
-        """The packed batch's sequence context."""
-        return self.batch.seq_ctx
+        """The forwarded batch's sequence context."""
+        return self.forwarded.seq_ctx
 
     @property
     def num_real_tokens(self) -> int:
-        """Tokens of the packed sequences."""
-        return self.batch.num_real_tokens
+        """Tokens of the forwarded batch."""
+        return self.forwarded.num_real_tokens
 
-    def to(self, device: torch.device | str) -> RLMicroBatch:
-        """This micro-batch on ``device``."""
+    def to(self, device: torch.device | str, share: MicroBatch | None = None) -> RLMicroBatch:
+        """This micro-batch on ``device``, with ``share`` (a host-side share of ``batch``) as what it forwards."""
         move = {k: None if v is None else v.to(device) for k, v in self._tensors().items()}
         routed = None if self.routed_experts is None else [ids.to(device) for ids in self.routed_experts]
-        return replace(self, batch=self.batch.to(device), routed_experts=routed, **move)
+        share = None if share is None else share.to(device)
+        return replace(self, batch=self.batch.to(device), routed_experts=routed, share=share, **move)
 
     def state(self) -> dict[str, Any]:
         """Plain data for a checkpoint: the sequences, advantages, log-probabilities and normalizer share."""
