@@ -32,6 +32,7 @@ class BaseModel(nn.Module, ABC):
         super().__init__()
         self.config = config
         self._hf_path: Path | None = None
+        self._hf_dtypes: dict[str, torch.dtype] = {}  # HF key -> dtype in the checkpoint loaded by from_hf
 
     @abstractmethod
     def forward(self, *args: Any, **kwargs: Any) -> ModelOutput:
@@ -179,9 +180,10 @@ class BaseModel(nn.Module, ABC):
         Args:
             out_dir: Target directory (replaced if it exists).
             max_shard_size: Upper bound per shard with a unit, e.g. ``"5GB"`` or ``"4GiB"``.
-            dtype: Cast floating-point tensors to this dtype (default: the config's ``dtype`` -- the source
-                checkpoint's -- if set, else the parameter dtypes). Tensors a module declares in its ``keep_fp32``
-                attribute are always written in fp32.
+            dtype: Cast floating-point tensors to this dtype (default: each tensor loaded by :meth:`from_hf` in
+                the dtype its checkpoint stored it in; the others in the config's ``dtype`` if set, else their
+                parameter's dtype). Tensors a module declares in its ``keep_fp32`` attribute are written in fp32
+                unless their source checkpoint stored them otherwise.
             fp8: ``"blockwise"`` writes the large linear weights as 128x128 block-quantized fp8 with
                 ``_scale_inv`` scales and a ``quantization_config`` (the format of ``xtl convert to-fp8``).
             tensor_transform: Applied to each full tensor on every rank before it is written (e.g. merging LoRA
