@@ -101,6 +101,19 @@ class BaseModel(nn.Module, ABC):
         prefix = f"{owner_path}." if owner_path else ""
         return tuple((f"{prefix}{part}.{rest}", rows) for part, rows in parts[child])
 
+    def hf_matrix_rows(self, key: str, rows: int) -> tuple[int, ...]:
+        """The rows of each HF matrix stacked in a matrix of parameter ``key`` (its last two dimensions, ``rows`` of
+        them), in order: what a per-matrix optimizer (Muon) treats as separate matrices.
+
+        A fused projection's parameter stacks its parts' matrices (:meth:`fused_param_parts`); any other
+        parameter's matrices are HF's own (``(rows,)``) unless a family's key map splits them (routed experts'
+        gate and up rows, where the checkpoint keeps them apart).
+        """
+        parts = self.fused_param_parts(key)
+        if parts:
+            return tuple(r for part, part_rows in parts for r in self.hf_matrix_rows(part, part_rows))
+        return (rows,)
+
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         """The parameters and persistent buffers that map to HF keys (tied parameters once).
 
