@@ -197,7 +197,7 @@ class TestPerHFMatrix:
             for (part, _), piece in zip(parts, param.detach().split([rows for _, rows in parts])):
                 assert not torch.equal(piece, init[part]), f"{part} did not move"
                 # measured: 0.0 (each part runs the unfused weight's very operations, on its rows of the fused one)
-                torch.testing.assert_close(piece, want[part].detach(), **TOL, msg=part)
+                torch.testing.assert_close(piece, want[part].detach(), **TOL, msg=lambda m, part=part: f"{part}: {m}")
 
     @pytest.mark.parametrize("family", ["moe", "sinks"])
     def test_expert_gate_and_up_step_as_torch_muon_per_hf_matrix(self, family):
