@@ -158,9 +158,12 @@ def _check_feature_acts(cell: Cell, result: dict, plain: dict) -> None:
     elif name == "lm_eval":  # scored at step 2 (every rank took part), logged and written by rank 0
         assert "lm_eval/step_2.json" in probe["files"]
         assert {"eval/tiny_choice/acc", "eval/tiny_exact/exact_match"} <= set(result["logged"])
-    elif name == "muon":  # the run's optimizer is Muon, with matrices in Muon groups, and it changed the update
-        assert probe["optimizer"]["class"] == "Muon" and probe["optimizer"]["muon_params"] > 0, probe["optimizer"]
+    elif name in ("muon", "fused_muon"):  # the optimizer is Muon, with matrices in Muon groups; it changed the update
+        optimizer = probe["optimizer"]
+        assert optimizer["class"] == "Muon" and optimizer["muon_params"] > 0, optimizer
         assert result["losses"]["1"] != plain["losses"]["1"], (result["losses"], plain["losses"])
+        if name == "fused_muon":  # each fused weight is orthogonalized per HF matrix
+            assert probe["fused"] > 0 and optimizer["split_matrices"] > 0, (probe["fused"], optimizer)
     elif name == "hf_export":
         files = set(probe["files"])
         assert "hf/final/config.json" in files and any(f.endswith(".safetensors") for f in files), files

@@ -188,8 +188,8 @@ FEATURES = (
         ("muon.yaml",),
         "",
         "first_step",
-        "Muon on the hidden matrices (each routed expert's own), AdamW on the rest; `match_rms_adamw` at the "
-        "recipe's learning rate",
+        "Muon on the hidden matrices (each HF matrix on its own: a routed expert's gate and up apart where the "
+        "checkpoint keeps them apart), AdamW on the rest; `match_rms_adamw` at the recipe's learning rate",
     ),
     Feature(
         "lm_eval",
@@ -238,6 +238,15 @@ FEATURES = (
         "fused projections: one q/k/v and one gate/up matmul (`model_overrides: {fused_projections: true}`; MLA "
         "fuses its gated MLPs only, GPT-OSS its attention only); not run under CP and EP, which change the "
         "attention core and the experts, not the projections",
+        ("single", "fsdp"),
+    ),
+    Feature(
+        "fused_muon",
+        ("muon.yaml",),
+        "model:\n  init_args:\n    model_overrides: {fused_projections: true}\n",
+        "close",
+        "fused projections trained with Muon (each fused weight orthogonalized per HF matrix: q, k, v, gate, up); "
+        "one device and FSDP, as `fused`",
         ("single", "fsdp"),
     ),
     Feature(

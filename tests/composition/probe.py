@@ -20,8 +20,8 @@ class Probe(pl.Callback):
     It holds: ``calls`` (part -> forward calls of each block's first linear layer: a recomputing block is called
     again in backward), ``trainable`` / ``total`` parameters, ``float8`` (fp8 linear layers), ``nf4`` (NF4
     weights), ``fused`` (fused projections), ``compiled_frames`` (frames Dynamo compiled during the fit),
-    ``offloaded_bytes``, ``files`` (what the run wrote under its root) and ``optimizer`` (its class, and the
-    parameters in Muon groups).
+    ``offloaded_bytes``, ``files`` (what the run wrote under its root) and ``optimizer`` (its class, the
+    parameters in Muon groups and those of them Muon splits into HF matrices).
     """
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -57,10 +57,15 @@ class Probe(pl.Callback):
 
 
 def _optimizer(trainer: pl.Trainer) -> dict[str, Any]:
-    """The class of the run's optimizer and how many parameters its Muon groups hold (``use_muon``)."""
+    """The class of the run's optimizer, how many parameters its Muon groups hold (``use_muon``) and how many of
+    them stack several HF matrices (Muon's ``matrix_rows``)."""
     optimizer = trainer.optimizers[0]
     groups = [g for g in optimizer.param_groups if g.get("use_muon")]
-    return {"class": type(optimizer).__name__, "muon_params": sum(len(g["params"]) for g in groups)}
+    return {
+        "class": type(optimizer).__name__,
+        "muon_params": sum(len(g["params"]) for g in groups),
+        "split_matrices": len(getattr(optimizer, "matrix_rows", {})),
+    }
 
 
 def _counter(counts: list[int], index: int) -> Any:

@@ -166,12 +166,6 @@ class TestRefusals:
         with pytest.raises(ConfigError, match="fused_projections: false"):
             LoRA().transform_model(_load(checkpoint("qwen3"), fused=True))
 
-    def test_muon_refuses_fused_projections(self, checkpoint):
-        from xtl.train import MuonConfig
-
-        with pytest.raises(ConfigError, match="Muon orthogonalizes each projection"):
-            MuonConfig().uses_muon(_load(checkpoint("qwen3"), fused=True))
-
 
 class TestInit:
     @pytest.mark.parametrize("model_type", ["qwen2", "deepseek_v3"])

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import shutil
+import zlib
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +24,9 @@ from xtl.model.hf import (
     parse_size,
 )
 
+from .test_moe_parity import MOE_VARIANTS, save_tiny_moe
+from .vlm import VLM_VARIANTS, save_tiny_vlm
+
 
 def _load(path, device_meta=True):
     cfg = get_model_config_from_hf(path)
@@ -36,6 +42,15 @@ def _load(path, device_meta=True):
 def _all_tensors(path):
     reader = CheckpointReader(path)
     return {k: reader.load(k) for k in reader.keys()}
+
+
+def _recast(src: Path, out: Path, to_bf16: Callable[[str], bool]) -> Path:
+    """A copy of the checkpoint ``src`` (config included) whose keys ``to_bf16`` selects are stored in bf16."""
+    tensors = {k: v.to(torch.bfloat16) if to_bf16(k) else v for k, v in _all_tensors(src).items()}
+    out.mkdir()
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    shutil.copy(src / "config.json", out / "config.json")
+    return out
 
 
 class TestSaveHFRoundTrip:
@@ -102,6 +117,52 @@ class TestSaveHFRoundTrip:
             model.save_hf(out)
         assert sorted(p.name for p in out.iterdir()) == snapshot
         assert [p.name for p in tmp_path.iterdir()] == ["export"]
+
+
+class TestStoredDtypes:
+    """Each tensor is saved in the dtype its checkpoint stored it in, whatever the family keeps fp32 in training."""
+
+    VARIANTS = ["llama", "qwen2_tied", "qwen3", "deepseek_v3", "gpt_oss", "qwen3_moe", "qwen3_vl", "qwen3_vl_moe"]
+
+    @pytest.fixture(scope="class")
+    def checkpoint(self, tmp_path_factory, tiny_hf_dir):
+        root = tmp_path_factory.mktemp("stored_dtypes")
+
+        def make(variant: str):
+            if variant in MOE_VARIANTS:
+                return save_tiny_moe(variant, torch.float32, root)
+            if variant in VLM_VARIANTS:
+                return save_tiny_vlm(variant, torch.float32, root)
+            return tiny_hf_dir(variant)
+
+        return make
+
+    @pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
+    @pytest.mark.parametrize("variant", VARIANTS)
+    def test_mixed_dtype_checkpoint_round_trips_byte_identical(self, checkpoint, tmp_path, variant, fused):
+        # half the keys (by a hash of the name) bf16, the others fp32: routers, correction biases, sinks, norms and
+        # the parts of one fused projection land on both sides
+        src = _recast(checkpoint(variant), tmp_path / "mixed", lambda key: zlib.crc32(key.encode()) % 2 == 0)
+        before = _all_tensors(src)
+        assert {t.dtype for t in before.values()} == {torch.float32, torch.bfloat16}
+        config = get_model_config_from_hf(src)
+        config.fused_projections = fused
+        if hasattr(config, "text_config"):
+            config.text_config.fused_projections = fused
+        with torch.device("meta"):
+            model = config.build()
+        model.from_hf(src)
+        model.save_hf(tmp_path / "out")
+        after = _all_tensors(tmp_path / "out")
+        assert set(after) == set(before)
+        for key, tensor in before.items():
+            assert after[key].dtype == tensor.dtype, key
+            assert torch.equal(after[key].view(torch.uint8), tensor.view(torch.uint8)), key
+
+    def test_an_explicit_dtype_overrides_the_stored_ones(self, checkpoint, tmp_path):
+        src = _recast(checkpoint("qwen3"), tmp_path / "mixed", lambda key: "norm" in key)
+        _load(src).save_hf(tmp_path / "out", dtype=torch.float16)
+        assert {t.dtype for t in _all_tensors(tmp_path / "out").values()} == {torch.float16}
 
 
 class TestFromHF:

@@ -16,7 +16,7 @@ from xtl.module.norm import RMSNorm
 from xtl.module.router import NoAuxTopKRouter
 from xtl.ops.moe_loss import balance_loss
 
-from .test_moe_parity import VARIANTS, save_tiny_moe
+from .test_moe_parity import VARIANTS, build_tiny_moe, save_tiny_moe
 
 
 @pytest.fixture(scope="session")
@@ -108,6 +108,32 @@ class TestMoESaveHF:
         ids = torch.randint(0, reference.config.vocab_size, (2, 12))
         with torch.no_grad():
             assert torch.equal(reference(input_ids=ids).logits, reloaded(input_ids=ids).logits)
+
+    @pytest.mark.parametrize("variant", VARIANTS)
+    def test_a_model_cast_whole_to_bf16_round_trips_in_bf16(self, tmp_path, variant):
+        # transformers' own .to(bfloat16) + save_pretrained: the router and DeepSeek-V3's correction bias are bf16
+        # too (from_pretrained(dtype=bfloat16) keeps them fp32); xtl keeps them fp32 in training, not on save
+        src = tmp_path / "src"
+        build_tiny_moe(variant, torch.bfloat16).save_pretrained(src)
+        before = _all_tensors(src)
+        assert {t.dtype for t in before.values()} == {torch.bfloat16}
+        _load(src).save_hf(tmp_path / "out")
+        after = _all_tensors(tmp_path / "out")
+        assert set(after) == set(before)
+        for key, tensor in before.items():
+            assert after[key].dtype == tensor.dtype, key
+            assert torch.equal(after[key].view(torch.uint8), tensor.view(torch.uint8)), key
+
+    def test_a_model_from_scratch_saves_in_the_config_dtype_with_its_fp32_tensors(self, tiny_moe_dir, tmp_path):
+        config = get_model_config_from_hf(tiny_moe_dir("deepseek_v3"))
+        config.dtype = "bfloat16"
+        model = config.build()
+        model.init_weights()
+        model.save_hf(tmp_path / "out")
+        dtypes = {k: t.dtype for k, t in _all_tensors(tmp_path / "out").items()}
+        kept = {"model.layers.1.mlp.gate.weight", "model.layers.1.mlp.gate.e_score_correction_bias"}
+        assert {k for k, d in dtypes.items() if d == torch.float32} == kept
+        assert {d for k, d in dtypes.items() if k not in kept} == {torch.bfloat16}
 
     def test_deepseek_mtp_layers_are_ignored_on_load(self, tiny_moe_dir, tmp_path):
         src = tiny_moe_dir("deepseek_v3")

@@ -184,6 +184,53 @@ class TestRoutingReplay:
         (rerouted.topk_weights * torch.randn_like(rerouted.topk_weights)).sum().backward()
         assert router.weight.grad is not None and router.weight.grad.abs().sum() > 0
 
+    @pytest.mark.parametrize("kind", ROUTERS)
+    def test_a_replayed_block_weights_the_forced_experts_by_their_own_scores(self, kind) -> None:
+        """Forced experts none of which the router would choose: the block's output is the forced experts' outputs
+        weighted as the router weights those experts (by hand from its logits), and so is its gradient."""
+        torch.manual_seed(0)
+        router = self.ROUTERS[kind]()
+        for param in router.parameters():
+            torch.nn.init.normal_(param)
+        block = MoEBlock(router, GroupedExperts(8, 16, 8))
+        for param in block.experts.parameters():
+            torch.nn.init.normal_(param, std=0.1)
+        x = torch.randn(1, 5, 16)
+        own = router(x.view(5, 16)).topk_ids
+        forced = router(x.view(5, 16)).probs.argsort(dim=-1)[:, :2]  # the two least likely experts of each token
+        assert not (forced[:, :, None] == own[:, None, :]).any()
+        block.replay_routing(forced)
+        out, routing = block(x)
+        grad_out = torch.randn_like(out)
+        (out * grad_out).sum().backward()
+        got = router.weight.grad.clone()
+        router.weight.grad = None
+
+        logits = router.fp32_logits(x.view(5, 16))  # the same logits, recomputed with their own graph
+        weights = self._forced_weights(kind, router, logits, forced)
+        torch.testing.assert_close(routing.topk_weights, weights)
+        experts = block.experts
+        expected = torch.zeros(5, 16)
+        for token in range(5):
+            for slot in range(2):
+                e = int(forced[token, slot])
+                gate, up = (x[0, token] @ experts.gate_up[e].T).chunk(2)
+                expected[token] += weights[token, slot] * ((torch.nn.functional.silu(gate) * up) @ experts.down[e].T)
+        torch.testing.assert_close(out.view(5, 16), expected, rtol=1e-5, atol=1e-6)
+        (expected * grad_out.view(5, 16)).sum().backward()
+        torch.testing.assert_close(got, router.weight.grad, rtol=1e-5, atol=1e-6)
+
+    @staticmethod
+    def _forced_weights(kind: str, router, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The combine weights of experts ``ids`` by each router's rule, from its logits."""
+        if kind == "softmax_topk":  # the experts' softmax probabilities over all experts, renormalized
+            chosen = logits.softmax(dim=-1).gather(1, ids)
+            return chosen / chosen.sum(dim=-1, keepdim=True)
+        if kind == "noaux":  # the experts' sigmoid scores, renormalized and scaled
+            chosen = logits.sigmoid().gather(1, ids)
+            return chosen / (chosen.sum(dim=-1, keepdim=True) + 1e-20) * router.routed_scaling_factor
+        return logits.gather(1, ids).softmax(dim=-1)  # softmax over the experts' logits
+
     def test_a_block_records_and_replays(self) -> None:
         torch.manual_seed(0)
         router = SoftmaxTopKRouter(16, 8, 2)

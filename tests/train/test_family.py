@@ -13,6 +13,7 @@ from xtl.data.collate import collate_pack
 from xtl.data.packing import Pack
 from xtl.errors import ConfigError
 from xtl.model import get_model_config_from_hf
+from xtl.module.mtp import mtp_target_counts
 from xtl.train import AdamWConfig, LanguageModule, PreferenceModule, RouterTraining, family_of
 from xtl.train.family import DataRanks, MTPLosses, RouterLosses, family_training
 from xtl.train.step import StepResult, forward_backward
@@ -269,19 +270,8 @@ class TestMTPTraining:
         """Two micro-batches with different MTP counts give the gradient of the same documents in one: each depth's
         loss is divided by its count over the whole step."""
         model = initialized(tiny_config(mtp_layers=2))
-        rng = np.random.default_rng(3)
-        docs = [rng.integers(0, 160, n) for n in (9, 14, 5, 12)]
-        labels = [d.copy() for d in docs]
-        labels[2][:3] = -100  # fewer supervised tokens in the second micro-batch
-
-        def collate(idx: list[int]):
-            cat = np.concatenate
-            return collate_pack(
-                Pack(0, cat([docs[i] for i in idx]), cat([labels[i] for i in idx]), [len(docs[i]) for i in idx])
-            )
-
-        one = [collate([0, 1, 2, 3])]
-        two = [collate([0, 1]), collate([2, 3])]
+        one = [_mtp_pack([0, 1, 2, 3])]
+        two = [_mtp_pack([0, 1]), _mtp_pack([2, 3])]
         grads_one, logged_one, extra_one = self._step(model, one)
         grads_two, logged_two, _ = self._step(model, two)
         assert grads_one.keys() == grads_two.keys() and "mtp.1.eh_proj.weight" in grads_one
@@ -295,6 +285,36 @@ class TestMTPTraining:
             torch.testing.assert_close(logged_one[f"mtp_loss_{k}"], means[k - 1])
             torch.testing.assert_close(logged_two[f"mtp_loss_{k}"], means[k - 1])
 
+    def test_two_data_ranks_average_to_one_rank_with_both_micro_batches(self):
+        """Each rank divides its depths' losses by the positions of the whole step (its counts summed with the other
+        rank's) and scales the term by the ranks, as the next-token loss, since the gradient reduction averages the
+        ranks: the mean of two ranks' gradients is one rank's gradient with both micro-batches. The two ranks run in
+        this process, each with a ``DataRanks`` of size 2 whose sum adds the other rank's counts."""
+        model = initialized(tiny_config(mtp_layers=2))
+        a, b = _mtp_pack([0, 1]), _mtp_pack([2, 3])  # different documents and counts on the two ranks
+
+        def counts(mb) -> torch.Tensor:
+            return mtp_target_counts(mb.labels, mb.seq_ctx.position_ids, 2).float()
+
+        def mtp_grads(micro_batches: list, ranks: DataRanks) -> dict[str, torch.Tensor]:
+            """The gradients of the step's MTP term alone (summed over the micro-batches, as backward does)."""
+            model.zero_grad(set_to_none=True)
+            losses = MTPLosses(2, 0.3)
+            losses.start_step(len(micro_batches), torch.device("cpu"))
+            losses.count_step(micro_batches, ranks)
+            for mb in micro_batches:
+                losses.extra_loss(model(seq_ctx=mb.seq_ctx, labels=mb.labels, return_logits=False), ranks).backward()
+            return {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+
+        assert not torch.equal(counts(a), counts(b))
+        one = mtp_grads([a, b], DataRanks(1, lambda t: t))
+        rank_a = mtp_grads([a], DataRanks(2, lambda t: t + counts(b)))
+        rank_b = mtp_grads([b], DataRanks(2, lambda t: t + counts(a)))
+        assert one.keys() == rank_a.keys() == rank_b.keys() and "mtp.1.eh_proj.weight" in one
+        for key in one:
+            mean = (rank_a[key] + rank_b[key]) / 2
+            torch.testing.assert_close(mean, one[key], rtol=1e-5, atol=1e-8, msg=lambda m, key=key: f"{key}: {m}")
+
     def test_objectives_other_than_next_token_refuse_mtp(self):
         spec = {"model_type": "deepseek_v3", "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 1,
                 "num_attention_heads": 2, "mtp_layers": 1}  # fmt: skip
@@ -304,6 +324,18 @@ class TestMTPTraining:
         ]
         with pytest.raises(ConfigError, match="PreferenceModule does not train multi-token prediction"):
             PreferenceModule(spec)
+
+
+def _mtp_pack(docs: list[int]):
+    """A micro-batch of some of four fixed documents (document 2 has 3 fewer supervised tokens)."""
+    rng = np.random.default_rng(3)
+    tokens = [rng.integers(0, 160, n) for n in (9, 14, 5, 12)]
+    labels = [d.copy() for d in tokens]
+    labels[2][:3] = -100
+    cat = np.concatenate
+    return collate_pack(
+        Pack(0, cat([tokens[i] for i in docs]), cat([labels[i] for i in docs]), [len(tokens[i]) for i in docs])
+    )
 
 
 class TestExport:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import copy
 import os
+import re
+import zlib
 
 import lightning.pytorch as pl
 import pytest
@@ -76,6 +78,9 @@ def _muon_steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps:
 
 
 CONFIG = MuonConfig(lr=0.02, weight_decay=0.1, adamw_lr=3e-3)
+# fused q/k/v of 64 + 8 + 8 rows (hidden 32: q's update is scaled by sqrt(2), k's and v's by 1): FSDP's two row
+# shards of 40 cut q
+FUSED_MODEL = {**MODEL, "num_attention_heads": 8, "num_key_value_heads": 1, "fused_projections": True}
 
 
 class TestMatchesTorchMuon:
@@ -134,6 +139,101 @@ class TestMatchesTorchMuon:
         got, want = dict(model.named_parameters()), dict(ref.named_parameters())
         for name in adamw:
             assert torch.equal(got[name], want[name]), name
+
+
+def _named_grad(name: str, shape: torch.Size, step: int) -> torch.Tensor:
+    """The gradient of the (unfused) parameter ``name`` at ``step``: the same in every model that has it."""
+    return torch.randn(shape, generator=torch.Generator().manual_seed(1000 * step + zlib.crc32(name.encode())))
+
+
+class TestPerHFMatrix:
+    """Muon orthogonalizes and scales each HF matrix on its own: a fused q/k/v or gate/up weight steps as the unfused
+    model's separate weights, and a routed expert's gate and up rows as two matrices where the checkpoint keeps them
+    apart (one, where it stores them fused: GPT-OSS, Qwen3-VL-MoE)."""
+
+    def test_each_family_names_the_hf_matrices_it_stacks(self):
+        def splits(family: str, **overrides) -> dict[str, tuple[int, ...]]:
+            model = _meta_model({**FAMILY[family], **overrides})
+            return {re.sub(r"\.\d+\.", ".N.", name): rows for name, rows in _matrix_rows(model).items()}
+
+        qkv, gate_up, expert = (256, 128, 128), (256, 256), (16, 16)  # the matrix families' sizes
+        assert splits("dense") == {}
+        assert splits("dense", fused_projections=True) == {
+            "layers.N.self_attn.qkv_proj.weight": qkv, "layers.N.mlp.gate_up_proj.weight": gate_up,
+        }  # fmt: skip
+        assert splits("moe") == {"layers.N.mlp.experts.gate_up": expert}
+        assert splits("mla", fused_projections=True, mtp_layers=1) == {
+            "layers.N.mlp.gate_up_proj.weight": gate_up,
+            "layers.N.mlp.experts.gate_up": expert,
+            "layers.N.mlp.shared_experts.gate_up_proj.weight": expert,
+            "mtp.N.layer.mlp.experts.gate_up": expert,
+            "mtp.N.layer.mlp.shared_experts.gate_up_proj.weight": expert,
+        }
+        assert splits("sinks", fused_projections=True) == {"layers.N.self_attn.qkv_proj.weight": qkv}
+        assert splits("vlm", fused_projections=True) == {
+            "language_model.layers.N.self_attn.qkv_proj.weight": qkv,
+            "language_model.layers.N.mlp.gate_up_proj.weight": gate_up,
+        }  # the vision tower's qkv is one HF matrix
+        assert splits("vlm_moe", fused_projections=True) == {"language_model.layers.N.self_attn.qkv_proj.weight": qkv}
+
+    @pytest.mark.parametrize("adjust_lr", ["original", "match_rms_adamw"])
+    @pytest.mark.parametrize("family", ["dense", "mla", "vlm"])
+    def test_a_fused_model_steps_as_the_unfused_one(self, family, adjust_lr):
+        config = MuonConfig(lr=0.02, weight_decay=0.1, adamw_lr=3e-3, adjust_lr=adjust_lr)
+        fused, plain = _model({**FAMILY[family], "fused_projections": True}), _model(FAMILY[family])
+        opt, ref_opt = config.build(fused, torch.device("cpu")), config.build(plain, torch.device("cpu"))
+        assert opt.matrix_rows and not ref_opt.matrix_rows or family == "mla"  # MLA: its experts' gate and up too
+        for step in range(STEPS):
+            for name, param in plain.named_parameters():
+                param.grad = _named_grad(name, param.shape, step)
+            for name, param in fused.named_parameters():
+                parts = fused.fused_param_parts(name) or ((name, param.shape[0]),)
+                param.grad = torch.cat([_named_grad(part, (rows, *param.shape[1:]), step) for part, rows in parts])
+            opt.step()
+            ref_opt.step()
+        want, init = dict(plain.named_parameters()), dict(_model(FAMILY[family]).named_parameters())
+        for name, param in fused.named_parameters():
+            parts = fused.fused_param_parts(name) or ((name, param.shape[0]),)
+            for (part, _), piece in zip(parts, param.detach().split([rows for _, rows in parts])):
+                assert not torch.equal(piece, init[part]), f"{part} did not move"
+                # measured: 0.0 (each part runs the unfused weight's very operations, on its rows of the fused one)
+                torch.testing.assert_close(piece, want[part].detach(), **TOL, msg=lambda m, part=part: f"{part}: {m}")
+
+    @pytest.mark.parametrize("family", ["moe", "sinks"])
+    def test_expert_gate_and_up_step_as_torch_muon_per_hf_matrix(self, family):
+        """Qwen3-MoE keeps each expert's gate and up apart in its checkpoint, GPT-OSS stores them as one matrix."""
+        model = _model(FAMILY[family])
+        experts = model.layers[0].mlp.experts.gate_up
+        split = family == "moe"
+        opt = CONFIG.build(model, torch.device("cpu"))
+        assert (experts in opt.matrix_rows) == split
+        rows = experts.shape[1] // 2 if split else experts.shape[1]
+        matrices = [torch.nn.Parameter(m.clone()) for m in experts.detach().split(rows, dim=1) for m in m.unbind(0)]
+        ref_opt = torch.optim.Muon(matrices, lr=CONFIG.lr, weight_decay=CONFIG.weight_decay)
+        for step in range(STEPS):
+            for param in model.parameters():
+                param.grad = torch.zeros_like(param)
+            experts.grad = _grad(experts.shape, step, 0)
+            for matrix, grad in zip(matrices, [g for m in experts.grad.split(rows, dim=1) for g in m.unbind(0)]):
+                matrix.grad = grad.clone()
+            opt.step()
+            ref_opt.step()
+        got = [m for part in experts.detach().split(rows, dim=1) for m in part.unbind(0)]
+        for mine, theirs in zip(got, matrices, strict=True):
+            torch.testing.assert_close(mine, theirs.detach(), **TOL)
+
+    def test_matrix_rows_must_split_a_muon_parameter(self):
+        weight, other = torch.nn.Parameter(torch.randn(6, 4)), torch.nn.Parameter(torch.randn(6, 4))
+        with pytest.raises(ValueError, match=r"matrix_rows \(2, 3\) do not split the 6 rows"):
+            Muon([weight], matrix_rows={weight: (2, 3)})
+        with pytest.raises(ValueError, match="outside the Muon groups"):
+            Muon([{"params": [weight]}, {"params": [other], "use_muon": False}], matrix_rows={other: (3, 3)})
+
+
+def _matrix_rows(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
+    """:meth:`MuonConfig.matrix_rows` of :data:`CONFIG` by parameter name."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    return {names[id(p)]: rows for p, rows in CONFIG.matrix_rows(model).items()}
 
 
 class TestGrouping:
@@ -289,8 +389,8 @@ def _distributed_worker(rank: int, port: int, out_path: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=2)
     mesh = init_device_mesh("cpu", (2,))
 
-    def fsdp_model(seed: int) -> torch.nn.Module:
-        model = _model(MODEL, seed)
+    def fsdp_model(seed: int, spec: dict = MODEL) -> torch.nn.Module:
+        model = _model(spec, seed)
         fully_shard_model(model, mesh=mesh)
         return model
 
@@ -314,6 +414,10 @@ def _distributed_worker(rank: int, port: int, out_path: str) -> None:
     set_optimizer_state_dict(resumed_model, resumed_opt, state["optim"])
     resumed = _muon_steps(resumed_model, resumed_opt, range(2, STEPS))
 
+    fused_model = fsdp_model(0, FUSED_MODEL)
+    fused_init = {name: _full(p).detach().clone() for name, p in fused_model.named_parameters()}
+    fused = _muon_steps(fused_model, CONFIG.build(fused_model, torch.device("cpu")), range(STEPS))
+
     meshes = ParallelLayout(dp_shard=2, ep=2).build("cpu")
     moe = _sharded_model("qwen3_moe", meshes)
     moe_init = {name: _full(p).detach().clone() for name, p in moe.named_parameters()}
@@ -322,7 +426,7 @@ def _distributed_worker(rank: int, port: int, out_path: str) -> None:
     if rank == 0:
         torch.save(
             {"init": init, "fsdp": fsdp, "resumed": resumed, "moe_init": moe_init, "ep": ep,
-             "expert_local_shape": expert_shape},
+             "expert_local_shape": expert_shape, "fused_init": fused_init, "fused": fused},
             out_path,
         )  # fmt: skip
     dist.destroy_process_group()
@@ -354,6 +458,12 @@ class TestDistributed:
         """Every 2-D weight is sharded on its rows: Newton-Schulz on a shard alone would differ."""
         reference = _one_process(MODEL, distributed["init"])
         assert _max_diff(distributed["fsdp"], reference) <= 1e-6
+
+    def test_fsdp_of_a_fused_model_equals_one_process(self, distributed):
+        """q/k/v of 64, 8 and 8 rows: rank 0 holds 40 of q's rows, rank 1 the rest of q, k and v (a shard across
+        matrices, each scaled as its own)."""
+        reference = _one_process(FUSED_MODEL, distributed["fused_init"])
+        assert _max_diff(distributed["fused"], reference) <= 1e-6
 
     def test_expert_parallel_equals_one_process(self, distributed):
         from tests.strategies.test_expert_parallel import FAMILIES as EP_FAMILIES

@@ -36,7 +36,8 @@ class HFExport(pl.Callback):
         every_n_steps: Export period in optimizer steps (0: only at the end).
         at_end: Export when training ends.
         max_shard_size: Shard size bound with a unit, e.g. ``"5GB"`` (the default) or ``"4GiB"``.
-        dtype: Dtype of the exported tensors (default: the model config's dtype, else the parameters').
+        dtype: Dtype of the exported tensors (default: each tensor loaded from an HF checkpoint in the dtype that
+            checkpoint stored it in; the others in the model config's dtype, else their parameter's).
         fp8: ``blockwise`` writes the large linear weights as 128x128 block-quantized fp8 with ``_scale_inv``
             scales and a ``quantization_config`` (the format of ``xtl convert to-fp8``, DeepSeek-V3 and
             Qwen3-FP8 releases); ``null`` (default) writes every tensor in ``dtype``.

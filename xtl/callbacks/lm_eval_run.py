@@ -19,9 +19,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 import random
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -137,8 +140,18 @@ def resolve_tasks(settings: EvalSettings) -> tuple[list[str | dict], Any]:
     return tasks, manager
 
 
-def run_lm_eval(lm: Any, settings: EvalSettings, tasks: list[str | dict], manager: Any) -> dict | None:
+def run_lm_eval(
+    lm: Any, settings: EvalSettings, tasks: list[str | dict], manager: Any, log_samples: bool = False
+) -> dict | None:
     """Evaluate ``lm`` on ``tasks``; the random state of the process is unchanged afterwards.
+
+    Args:
+        lm: The model (an lm-eval ``LM``).
+        settings: What to evaluate and how.
+        tasks: The tasks of :func:`resolve_tasks`.
+        manager: Its task manager.
+        log_samples: Keep lm-eval's per-sample logs in the results (``samples``: task -> list of records; see
+            :func:`write_samples`).
 
     Returns:
         lm-eval's results on rank 0 of the model's group, ``None`` on the other ranks.
@@ -151,7 +164,7 @@ def run_lm_eval(lm: Any, settings: EvalSettings, tasks: list[str | dict], manage
             tasks=tasks,
             num_fewshot=settings.num_fewshot,
             limit=settings.limit,
-            log_samples=False,
+            log_samples=log_samples,
             apply_chat_template=settings.apply_chat_template,
             fewshot_as_multiturn=settings.fewshot_as_multiturn,
             task_manager=manager,
@@ -161,6 +174,45 @@ def run_lm_eval(lm: Any, settings: EvalSettings, tasks: list[str | dict], manage
             fewshot_random_seed=settings.seed,
             verbosity="ERROR",
         )
+
+
+def write_samples(results: dict, samples: dict[str, list[dict]], output: Path) -> list[Path]:
+    """Write lm-eval's per-sample logs next to the results JSON ``output``, as ``lm_eval --log_samples
+    --output_path <output>`` does: one ``samples_<task>_<date>.jsonl`` per task in ``output``'s folder, each record
+    in lm-eval's own format (its ``EvaluationTracker`` writes them), and the tasks' sample hashes in ``results``
+    (``task_hashes``, as in lm-eval's results file).
+
+    Each file is written in a temporary folder beside ``output`` and renamed into place, so a file under its final
+    name is complete.
+
+    Args:
+        results: lm-eval's results (without ``samples``); ``task_hashes`` is added.
+        samples: The ``samples`` :func:`run_lm_eval` returned with ``log_samples``.
+        output: The results JSON the samples go next to.
+
+    Returns:
+        The files written, in task order.
+    """
+    from lm_eval.loggers import EvaluationTracker
+    from lm_eval.utils import hash_string
+
+    results["task_hashes"] = {
+        task: hash_string("".join(s["doc_hash"] + s["prompt_hash"] + s["target_hash"] for s in records))
+        for task, records in samples.items()
+    }
+    output.parent.mkdir(parents=True, exist_ok=True)
+    date_id = datetime.now().isoformat().replace(":", "-")  # lm-eval's run id in its file names
+    written = []
+    with tempfile.TemporaryDirectory(prefix=f".{output.name}.samples-", dir=output.parent) as tmp:
+        tracker = EvaluationTracker(output_path=str(Path(tmp) / "results.json"))  # a .json path: files beside it
+        tracker.date_id = date_id
+        with _quiet():
+            for task in results["configs"]:
+                tracker.save_results_samples(task_name=task, samples=samples[task])
+                name = f"samples_{task}_{date_id}.jsonl"
+                os.replace(Path(tmp) / name, output.parent / name)
+                written.append(output.parent / name)
+    return written
 
 
 def flat_metrics(results: dict, prefix: str = "eval") -> dict[str, float]:

@@ -32,6 +32,7 @@ class BaseModel(nn.Module, ABC):
         super().__init__()
         self.config = config
         self._hf_path: Path | None = None
+        self._hf_dtypes: dict[str, torch.dtype] = {}  # HF key -> dtype in the checkpoint loaded by from_hf
 
     @abstractmethod
     def forward(self, *args: Any, **kwargs: Any) -> ModelOutput:
@@ -99,6 +100,19 @@ class BaseModel(nn.Module, ABC):
             return ()
         prefix = f"{owner_path}." if owner_path else ""
         return tuple((f"{prefix}{part}.{rest}", rows) for part, rows in parts[child])
+
+    def hf_matrix_rows(self, key: str, rows: int) -> tuple[int, ...]:
+        """The rows of each HF matrix stacked in a matrix of parameter ``key`` (its last two dimensions, ``rows`` of
+        them), in order: what a per-matrix optimizer (Muon) treats as separate matrices.
+
+        A fused projection's parameter stacks its parts' matrices (:meth:`fused_param_parts`); any other
+        parameter's matrices are HF's own (``(rows,)``) unless a family's key map splits them (routed experts'
+        gate and up rows, where the checkpoint keeps them apart).
+        """
+        parts = self.fused_param_parts(key)
+        if parts:
+            return tuple(r for part, part_rows in parts for r in self.hf_matrix_rows(part, part_rows))
+        return (rows,)
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         """The parameters and persistent buffers that map to HF keys (tied parameters once).
@@ -179,9 +193,10 @@ class BaseModel(nn.Module, ABC):
         Args:
             out_dir: Target directory (replaced if it exists).
             max_shard_size: Upper bound per shard with a unit, e.g. ``"5GB"`` or ``"4GiB"``.
-            dtype: Cast floating-point tensors to this dtype (default: the config's ``dtype`` -- the source
-                checkpoint's -- if set, else the parameter dtypes). Tensors a module declares in its ``keep_fp32``
-                attribute are always written in fp32.
+            dtype: Cast floating-point tensors to this dtype (default: each tensor loaded by :meth:`from_hf` in
+                the dtype its checkpoint stored it in; the others in the config's ``dtype`` if set, else their
+                parameter's dtype). Tensors a module declares in its ``keep_fp32`` attribute are written in fp32
+                unless their source checkpoint stored them otherwise.
             fp8: ``"blockwise"`` writes the large linear weights as 128x128 block-quantized fp8 with
                 ``_scale_inv`` scales and a ``quantization_config`` (the format of ``xtl convert to-fp8``).
             tensor_transform: Applied to each full tensor on every rank before it is written (e.g. merging LoRA

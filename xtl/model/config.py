@@ -34,7 +34,7 @@ class TransformerConfig:
         fused_projections: One matmul for the q/k/v projections of each attention and for the gate/up projections
             of each gated MLP (dense layers and shared experts), with weights concatenated at load and split again
             on save (the HF checkpoint keeps the separate projections). Under the HF-parity switch each part is still
-            its own matmul, bitwise equal to transformers.
+            its own matmul, bitwise equal to transformers; Muon orthogonalizes each part on its own.
     """
 
     hf_config_class: ClassVar[type[PretrainedConfig]]

@@ -146,7 +146,8 @@ class NoAuxTopKRouter(Router):
     sigmoid scores normalized per token.
 
     The gate ``weight`` and the ``e_score_correction_bias`` buffer stay fp32 whatever the module dtype, as in the
-    released checkpoints (transformers keeps both in fp32 strictly); ``save_hf`` writes them as fp32.
+    released checkpoints (transformers keeps both in fp32 strictly); ``save_hf`` writes them in the dtype of the
+    checkpoint they were loaded from (fp32 for a model initialized from scratch).
 
     Args:
         hidden_size: Model width.

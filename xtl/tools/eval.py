@@ -3,7 +3,8 @@
 The model loads as in ``xtl generate`` (an HF directory with its tokenizer, or a Lightning checkpoint file with
 ``--tokenizer``, default the embedded tiny one) and answers lm-eval's requests with packed log-likelihoods and
 cached greedy generation (:class:`xtl.callbacks.lm_eval_model.XTLLM`); the options are those of the ``LMEval``
-callback. lm-eval's table is printed, and its results written as JSON with ``--output``. The metrics equal
+callback. lm-eval's table is printed, and its results written as JSON with ``--output``; ``--log-samples`` also
+writes lm-eval's per-sample logs next to it, as ``lm_eval --log_samples --output_path`` does. The metrics equal
 ``lm_eval --model hf`` on the same weights and dtype.
 
 Example:
@@ -24,6 +25,8 @@ EXAMPLES = f"""examples:
   xtl eval --model runs/tiny_sft/checkpoints/last.ckpt --tasks tiny_choice --apply-chat-template --template qwen3
   xtl eval --model /models/Qwen3-0.6B --tasks hellaswag,gsm8k --limit 100 --batch-size 32 --output results.json
   xtl eval --model /models/Qwen3-0.6B --tasks my_tasks/qa.yaml --num-fewshot 3
+  xtl eval --model runs/tiny_sft/hf/final --tasks tiny_choice --apply-chat-template --output out/results.json \
+    --log-samples
 
 {EXIT_CODES_HELP}"""
 
@@ -69,6 +72,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
     parser.add_argument("--output", default=None, help="write lm-eval's results to this JSON file")
+    parser.add_argument(
+        "--log-samples",
+        action="store_true",
+        help="also write lm-eval's per-sample logs, samples_<task>_<date>.jsonl next to --output (needs --output)",
+    )
     return run_cli(parser, argv, _run)
 
 
@@ -78,11 +86,13 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args: argparse.Namespace) -> int:
     import torch
 
-    from xtl.callbacks.lm_eval_run import EvalSettings, require_lm_eval, resolve_tasks, run_lm_eval
+    from xtl.callbacks.lm_eval_run import EvalSettings, require_lm_eval, resolve_tasks, run_lm_eval, write_samples
     from xtl.errors import ConfigError
     from xtl.tools.generate import load_model_and_tokenizer
     from xtl.utils import atomic_write_bytes
 
+    if args.log_samples and not args.output:
+        raise ToolInputError("--log-samples writes the per-sample logs next to the results JSON; pass --output FILE")
     limit = None if args.limit is None else (int(args.limit) if args.limit >= 1 else args.limit)
     try:
         require_lm_eval()
@@ -107,12 +117,16 @@ def _run(args: argparse.Namespace) -> int:
     from xtl.callbacks.lm_eval_model import XTLLM
 
     lm = XTLLM(model, tokenizer, args.batch_size, args.max_length, args.max_gen_toks, template=args.template)
-    results = run_lm_eval(lm, settings, tasks, manager)
+    results = run_lm_eval(lm, settings, tasks, manager, log_samples=args.log_samples)
     from lm_eval.utils import make_table
 
+    samples = results.pop("samples", None) if args.log_samples else None
     print(make_table(results))
     if results.get("groups"):
         print(make_table(results, "groups"))
+    if samples is not None:
+        for path in write_samples(results, samples, Path(args.output)):
+            print(f"samples: {path}")
     if args.output:
         atomic_write_bytes(Path(args.output), json.dumps(results, indent=2, default=str).encode())
     return EXIT_OK

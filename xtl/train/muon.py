@@ -10,8 +10,11 @@ Muon (momentum orthogonalized by Newton-Schulz) updates a weight matrix ``W`` (`
 ``scale`` is ``sqrt(max(1, m / n))`` (``adjust_lr: original``, torch.optim.Muon's default) or
 ``0.2 * sqrt(max(m, n))`` (``match_rms_adamw``: the update's RMS matches AdamW's, so AdamW's learning rate and
 weight decay can be reused). A parameter of shape ``[..., m, n]`` (the grouped experts' ``[num_experts, m, n]``)
-is a batch of ``m x n`` matrices, orthogonalized one by one in one batched iteration. On one process the update
-of a 2-D parameter is torch.optim.Muon's (same operations, same order).
+is a batch of ``m x n`` matrices, orthogonalized one by one in one batched iteration. A parameter that stacks
+several matrices on its rows (``matrix_rows``: a fused q/k/v or gate/up projection, or an expert's gate and up
+rows, which the HF checkpoint keeps apart) is orthogonalized and scaled matrix by matrix, as those matrices would
+be on their own. On one process the update of a 2-D parameter is torch.optim.Muon's (same operations, same
+order), and so is each stacked matrix's.
 
 The groups of one optimizer carry ``use_muon``; groups without it are stepped by torch's fused AdamW kernel
 (decoupled weight decay; the state of torch.optim.AdamW: ``step``, ``exp_avg``, ``exp_avg_sq``), so the
@@ -21,9 +24,10 @@ ordinary one (Lightning checkpoints; DCP's ``get_optimizer_state_dict`` under FS
 Sharded parameters (``DTensor``): the elementwise work (momentum, weight decay, the update) runs on the local
 shard. Newton-Schulz needs each matrix whole: when a placement splits one of the last two dimensions (FSDP2's
 ``Shard(0)`` of a 2-D weight), the momentum-updated matrix is all-gathered over that mesh dimension in bf16 (one
-all-gather per matrix and step, of the full matrix's size), every rank orthogonalizes the whole matrix and keeps
-its own rows. A placement on a leading dimension splits whole matrices (experts over ``ep``, or over ``edp`` by
-FSDP), so grouped expert weights are orthogonalized where they are, without communication.
+all-gather per parameter and step, of the full parameter's size), every rank orthogonalizes the whole matrix (each
+stacked matrix on its own) and keeps its own rows. A placement on a leading dimension splits whole matrices
+(experts over ``ep``, or over ``edp`` by FSDP), so grouped expert weights are orthogonalized where they are,
+without communication.
 
 A step whose gradients are ``None`` leaves the parameter and its state untouched (the found-inf skip of
 :func:`xtl.train.step.optimizer_step_unless_nonfinite` steps with every gradient set to ``None``).
@@ -32,13 +36,13 @@ A step whose gradients are ``None`` leaves the parameter and its state untouched
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
 import torch.optim.adam as torch_adam
 from torch import Tensor
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 AdjustLR = Literal["original", "match_rms_adamw"]
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -66,9 +70,14 @@ class Muon(torch.optim.Optimizer):
             ``match_rms_adamw`` ``0.2 * sqrt(max(m, n))``.
         adamw_betas: AdamW's coefficients of the running averages of the gradient and its square.
         adamw_eps: AdamW's denominator term.
+        matrix_rows: Parameters (of Muon groups) whose matrices stack several matrices on their rows, with the
+            rows of each (dimension ``-2``, in order; e.g. the q, k and v rows of a fused projection): each stacked
+            matrix is orthogonalized and scaled (``adjust_lr``) on its own. Any other parameter's matrices are
+            single matrices.
 
     Raises:
-        ValueError: A setting out of range, or a Muon group holding a parameter with fewer than 2 dimensions.
+        ValueError: A setting out of range, a Muon group holding a parameter with fewer than 2 dimensions, or
+            ``matrix_rows`` naming a parameter outside the Muon groups or rows that do not add up to its own.
     """
 
     def __init__(
@@ -85,6 +94,7 @@ class Muon(torch.optim.Optimizer):
         adjust_lr: AdjustLR = "original",
         adamw_betas: tuple[float, float] = (0.9, 0.95),
         adamw_eps: float = 1e-8,
+        matrix_rows: Mapping[Tensor, Sequence[int]] | None = None,
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -104,6 +114,8 @@ class Muon(torch.optim.Optimizer):
             _check_group(group)
             # torch's load_state_dict moves a fused AdamW's ``step`` to the parameter's device by this key
             group["fused"] = not group["use_muon"]
+        self.matrix_rows: dict[Tensor, tuple[int, ...]] = {p: tuple(rows) for p, rows in (matrix_rows or {}).items()}
+        _check_matrix_rows(self.matrix_rows, self.param_groups)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
@@ -134,9 +146,12 @@ class Muon(torch.optim.Optimizer):
             grad, buf, weight = _local(param.grad), _local(state["momentum_buffer"]), _local(param)
             buf.lerp_(grad, 1 - momentum)
             update = grad.lerp(buf, momentum) if group["nesterov"] else buf
-            update = _orthogonalized(update, param, group["ns_coefficients"], group["ns_steps"], group["eps"])
+            rows = self.matrix_rows.get(param, (param.shape[-2],))
+            update = _orthogonalized(update, param, rows, group["ns_coefficients"], group["ns_steps"], group["eps"])
             weight.mul_(1 - lr * group["weight_decay"])
-            weight.add_(update, alpha=-adjusted_lr(lr, group["adjust_lr"], param.shape))
+            for start, length, matrix in _local_matrices(param, rows):  # each stacked matrix with its own scale
+                alpha = -adjusted_lr(lr, group["adjust_lr"], (matrix, param.shape[-1]))
+                weight.narrow(-2, start, length).add_(update.narrow(-2, start, length), alpha=alpha)
 
     def _adamw_step(self, group: dict[str, Any]) -> None:
         params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
@@ -234,15 +249,31 @@ def _check_group(group: dict[str, Any]) -> None:
                 raise ValueError(f"Muon: a Muon group holds a parameter of shape {tuple(param.shape)}; use AdamW")
 
 
+def _check_matrix_rows(matrix_rows: dict[Tensor, tuple[int, ...]], groups: list[dict[str, Any]]) -> None:
+    muon = {id(p) for group in groups if group["use_muon"] for p in group["params"]}
+    for param, rows in matrix_rows.items():
+        if id(param) not in muon:
+            raise ValueError(
+                f"Muon: matrix_rows names a parameter of shape {tuple(param.shape)} outside the Muon groups"
+            )
+        if not rows or min(rows) < 1 or sum(rows) != param.shape[-2]:
+            raise ValueError(
+                f"Muon: matrix_rows {rows} do not split the {param.shape[-2]} rows of {tuple(param.shape)}"
+            )
+
+
 def _local(tensor: Tensor) -> Tensor:
     """The local shard of a ``DTensor`` (a view: in-place operations change the ``DTensor``), else the tensor."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def _orthogonalized(update: Tensor, param: Tensor, coefficients: tuple, steps: int, eps: float) -> Tensor:
-    """:func:`orthogonalize` of whole matrices, for ``update``, this rank's shard of ``param``'s update."""
+def _orthogonalized(
+    update: Tensor, param: Tensor, rows: tuple[int, ...], coefficients: tuple, steps: int, eps: float
+) -> Tensor:
+    """:func:`orthogonalize` of whole matrices, each of the matrices stacked on the rows (``rows``) on its own, for
+    ``update``, this rank's shard of ``param``'s update."""
     if not isinstance(param, DTensor):
-        return orthogonalize(update, coefficients, steps, eps)
+        return _orthogonalize_stacked(update, rows, coefficients, steps, eps)
     mesh, placements = param.device_mesh, tuple(param.placements)
     matrix_dims = (param.ndim - 2, param.ndim - 1)
     whole = tuple(
@@ -250,10 +281,44 @@ def _orthogonalized(update: Tensor, param: Tensor, coefficients: tuple, steps: i
         for p in placements
     )
     if whole == placements:  # only leading (batch) dimensions are split: every local matrix is whole
-        return orthogonalize(update, coefficients, steps, eps) if update.numel() else update.bfloat16()
+        return _orthogonalize_stacked(update, rows, coefficients, steps, eps) if update.numel() else update.bfloat16()
     # gathered in bf16: the iteration starts by rounding to bf16, so the result is the same at half the bytes
     shard = DTensor.from_local(update.bfloat16(), mesh, placements, shape=param.shape, stride=param.stride())
-    full = orthogonalize(shard.redistribute(mesh, whole).to_local(), coefficients, steps, eps)
+    full = _orthogonalize_stacked(shard.redistribute(mesh, whole).to_local(), rows, coefficients, steps, eps)
     # Replicate -> Shard keeps this rank's part without communication
     whole_dt = DTensor.from_local(full, mesh, whole, shape=param.shape, stride=full.stride())
     return whole_dt.redistribute(mesh, placements).to_local()
+
+
+def _orthogonalize_stacked(
+    matrix: Tensor, rows: tuple[int, ...], coefficients: tuple, steps: int, eps: float
+) -> Tensor:
+    """:func:`orthogonalize` of each matrix stacked on the rows of ``matrix`` (``rows`` of each), joined again."""
+    if len(rows) == 1:
+        return orthogonalize(matrix, coefficients, steps, eps)
+    return torch.cat([orthogonalize(part, coefficients, steps, eps) for part in matrix.split(rows, dim=-2)], dim=-2)
+
+
+def _local_matrices(param: Tensor, rows: tuple[int, ...]) -> Iterator[tuple[int, int, int]]:
+    """``(first local row, local rows, rows of the matrix)`` of each stacked matrix that this rank's shard of
+    ``param`` holds rows of (a sharded 2-D weight holds a run of rows that may cross matrices)."""
+    first, count = _local_row_range(param)
+    start = 0
+    for matrix in rows:
+        low, high = max(start, first), min(start + matrix, first + count)
+        if low < high:
+            yield low - first, high - low, matrix
+        start += matrix
+
+
+def _local_row_range(param: Tensor) -> tuple[int, int]:
+    """``(first row, rows)`` of this rank's shard of ``param`` on dimension ``-2`` (all of them unless a placement
+    splits that dimension; nested splits in mesh order, as ``DTensor`` places them)."""
+    first, count = 0, param.shape[-2]
+    if isinstance(param, DTensor):
+        mesh, coordinate = param.device_mesh, param.device_mesh.get_coordinate()
+        for mesh_dim, placement in enumerate(param.placements):
+            if placement.is_shard() and placement.dim % param.ndim == param.ndim - 2:  # type: ignore[attr-defined]
+                count, offset = Shard.local_shard_size_and_offset(count, mesh.size(mesh_dim), coordinate[mesh_dim])
+                first += offset
+    return first, count

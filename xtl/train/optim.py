@@ -34,7 +34,6 @@ from torch import nn
 
 from xtl.errors import ConfigError, did_you_mean
 from xtl.model import BaseModel
-from xtl.model.base import has_fused_projections
 from xtl.module.experts import GroupedExperts
 from xtl.train.muon import NS_COEFFICIENTS, NS_EPS, NS_STEPS, AdjustLR, Muon
 
@@ -126,10 +125,13 @@ class MuonConfig(OptimizerConfig):
     """Muon on the hidden weight matrices, AdamW on every other parameter: one :class:`xtl.train.muon.Muon`.
 
     Muon orthogonalizes each matrix's Nesterov momentum with a Newton-Schulz iteration (grouped expert weights
-    ``[num_experts, m, n]``: each expert's matrix). Hidden matrices are the weights of ``nn.Linear`` layers (attention
-    and MLP projections, shared experts, MLA's low-rank projections, the vision tower's and merger's linear layers)
-    and the grouped expert weights; the embeddings, the LM head, norms, biases, routers and the vision patch
-    embedding (a convolution) go to AdamW. ``muon_params`` / ``adamw_params`` move parameters by name.
+    ``[num_experts, m, n]``: each expert's matrix), one HF matrix at a time: a fused q/k/v or gate/up projection
+    (``fused_projections``) and an expert's gate and up rows (where the checkpoint keeps them apart) are
+    orthogonalized part by part, as the unfused model's matrices. Hidden matrices are the weights of ``nn.Linear``
+    layers (attention and MLP projections, shared experts, MLA's low-rank projections, the vision tower's and
+    merger's linear layers) and the grouped expert weights; the embeddings, the LM head, norms, biases, routers and
+    the vision patch embedding (a convolution) go to AdamW. ``muon_params`` / ``adamw_params`` move parameters by
+    name.
 
     The groups of :meth:`OptimizerConfig.param_groups` (weight decay, ``lr_scales`` by model part) are kept and each
     is split into its Muon and AdamW parameters. Under FSDP every rank gathers each hidden matrix's update once per
@@ -209,11 +211,6 @@ class MuonConfig(OptimizerConfig):
         Raises:
             ConfigError: A pattern of ``muon_params`` / ``adamw_params`` cannot be applied (see the class).
         """
-        if has_fused_projections(model):
-            raise ConfigError(
-                "optimizer: Muon orthogonalizes each projection matrix on its own, and fused_projections joins "
-                "q/k/v and gate/up into one; set model.init_args.model_overrides.fused_projections: false"
-            )
         trainable = {name: param for name, param in model.named_parameters() if param.requires_grad}
         hidden = _hidden_matrices(model)
         forced: dict[str, dict[str, str]] = {}
@@ -240,8 +237,34 @@ class MuonConfig(OptimizerConfig):
                 )
         return {name: name in muon or (name not in adamw and id(p) in hidden) for name, p in trainable.items()}
 
-    def create(self, groups: list[dict], device: torch.device) -> torch.optim.Optimizer:
-        """:class:`~xtl.train.muon.Muon` over ``groups`` (each group has ``use_muon``)."""
+    def build(self, model: nn.Module, device: torch.device) -> torch.optim.Optimizer:
+        """:meth:`create` over :meth:`param_groups`, each Muon parameter's matrices split into the HF matrices they
+        stack (:meth:`matrix_rows`)."""
+        return self.create(self.param_groups(model), device, self.matrix_rows(model))
+
+    def matrix_rows(self, model: nn.Module) -> dict[torch.Tensor, tuple[int, ...]]:
+        """The Muon parameters of ``model`` whose matrices stack several HF matrices (a fused q/k/v or gate/up
+        projection; an expert's gate and up rows where the checkpoint keeps them apart), with the rows of each
+        (``BaseModel.hf_matrix_rows``): Muon orthogonalizes each on its own, as it would the unfused model's."""
+        if not isinstance(model, BaseModel):
+            return {}
+        muon = self.uses_muon(model)
+        split = {}
+        for name, param in model.named_parameters():
+            if muon.get(name):
+                rows = model.hf_matrix_rows(name, param.shape[-2])
+                if len(rows) > 1:
+                    split[param] = rows
+        return split
+
+    def create(
+        self,
+        groups: list[dict],
+        device: torch.device,
+        matrix_rows: dict[torch.Tensor, tuple[int, ...]] | None = None,
+    ) -> torch.optim.Optimizer:
+        """:class:`~xtl.train.muon.Muon` over ``groups`` (each group has ``use_muon``); ``matrix_rows``: the
+        parameters that stack several matrices (see :meth:`matrix_rows`)."""
         return Muon(
             groups,
             lr=self.lr,
@@ -254,6 +277,7 @@ class MuonConfig(OptimizerConfig):
             adjust_lr=self.adjust_lr,
             adamw_betas=tuple(self.adamw_betas),
             adamw_eps=self.adamw_eps,
+            matrix_rows=matrix_rows,
         )
 
 

@@ -138,6 +138,12 @@ class Qwen3VLMoeText(_DeepStackMixin, MoE):
             return Dense.param_to_hf(self, key, tensor)
         return [tensor.transpose(1, 2).contiguous() if key in self._transposed_experts else tensor]
 
+    def hf_matrix_rows(self, key: str, rows: int) -> tuple[int, ...]:
+        """An expert's ``gate_up`` matrix is one HF matrix (the fused ``gate_up_proj``)."""
+        if _VL_EXPERT_KEY.fullmatch(key) is not None:
+            return (rows,)
+        return super().hf_matrix_rows(key, rows)
+
 
 class Qwen3VL(BaseModel):
     """Vision tower (``visual``) + language model (``language_model``), as ``Qwen3VLForConditionalGeneration``.
@@ -375,6 +381,12 @@ class Qwen3VL(BaseModel):
         if key.startswith("language_model."):
             return self.language_model.param_to_hf(key.removeprefix("language_model."), tensor)
         return super().param_to_hf(key, tensor)
+
+    def hf_matrix_rows(self, key: str, rows: int) -> tuple[int, ...]:
+        """The language model's split for its parameters."""
+        if key.startswith("language_model."):
+            return self.language_model.hf_matrix_rows(key.removeprefix("language_model."), rows)
+        return super().hf_matrix_rows(key, rows)
 
     def _ignorable_hf_key(self, key: str) -> bool:
         return key.endswith("rotary_emb.inv_freq") or (self.config.tie_word_embeddings and key == "lm_head.weight")

@@ -48,7 +48,8 @@ def load_hf_weights(
     on ``device`` (default CPU) first; with ``strict=False`` the tensors whose keys are absent are initialized.
     Checkpoint keys the model does not consume count as unexpected unless ``model._ignorable_hf_key`` says so.
     A block-fp8 checkpoint (``quantization_config`` with ``weight_block_size``; see :mod:`xtl.model.hf.fp8`) is
-    dequantized: each fp8 weight is read with its ``_scale_inv`` and cast to the parameter's dtype.
+    dequantized: each fp8 weight is read with its ``_scale_inv`` and cast to the parameter's dtype. The stored dtype
+    of every key read unquantized is remembered (``model._hf_dtypes``): :func:`save_hf_weights` writes the key in it.
 
     Args:
         model: The model (its key map and layout hooks decide what is read).
@@ -73,6 +74,7 @@ def load_hf_weights(
         mismatched: list[str] = []
         consumed: set[str] = set()
         missing_params: list[str] = []
+        dtypes: dict[str, torch.dtype] = {}
         for name, param in tensors.items():
             keys = model.hf_keys(name)
             absent = [k for k in keys if k not in reader]
@@ -81,8 +83,11 @@ def load_hf_weights(
                 missing_params.append(name)
                 continue
             consumed.update(keys)
-            consumed.update(scale_keys(reader, keys, block))
-            full = model.hf_to_param(name, [load_dequantized(reader, k, block) for k in keys])
+            scales = scale_keys(reader, keys, block)
+            consumed.update(scales)
+            stored = [load_dequantized(reader, k, block) for k in keys]
+            dtypes.update({k: t.dtype for k, t in zip(keys, stored) if k + SCALE_SUFFIX not in scales})
+            full = model.hf_to_param(name, stored)
             if tuple(full.shape) != tuple(param.shape):
                 mismatched.append(
                     f"{name} (from {', '.join(keys)}): checkpoint {tuple(full.shape)}, model {tuple(param.shape)}"
@@ -92,6 +97,7 @@ def load_hf_weights(
         unexpected = sorted(k for k in set(reader.keys()) - consumed if not model._ignorable_hf_key(k))
     if mismatched or (strict and (missing or unexpected)):
         raise CheckpointMismatchError(_mismatch_message(path, missing, unexpected, mismatched))
+    model._hf_dtypes = dtypes
     adapters = list(model.adapter_tensors())  # xtl-only weights (LoRA factors): initialized, not loaded
     if missing_params or adapters:
         model._init_named(missing_params + adapters)
@@ -117,9 +123,12 @@ def save_hf_weights(
         model: The model.
         out_dir: Target directory (replaced if it exists).
         max_shard_size: Upper bound per shard with a unit, e.g. ``"5GB"``.
-        dtype: Cast floating-point tensors to this dtype (default: the config's ``dtype`` -- the source
-            checkpoint's -- if set, else the parameter dtypes). Tensors a module declares in its ``keep_fp32``
-            attribute are always written in fp32. NF4 (QLoRA) base weights are written dequantized.
+        dtype: Cast floating-point tensors to this dtype. By default each key loaded from an HF checkpoint
+            (:func:`load_hf_weights`, unquantized) is written in the dtype it was stored in there, so a load + save
+            round trip keeps every tensor's dtype; any other tensor is written in the config's ``dtype`` if set,
+            else in its parameter's dtype. Tensors a module declares in its ``keep_fp32`` attribute are written
+            in fp32 unless their checkpoint stored them otherwise (``dtype`` given: always fp32). NF4 (QLoRA) base
+            weights are written dequantized.
         source_dir: The HF directory the model was loaded from; its generation config and tokenizer files are
             copied.
         fp8: ``"blockwise"`` writes the tensors :func:`~xtl.model.hf.fp8.quantizable` selects as 128x128
@@ -140,6 +149,7 @@ def save_hf_weights(
     parse_size(max_shard_size)  # fail on every rank, before any collective
     if fp8 is not None and fp8 not in FP8_FORMATS:
         raise ValueError(f"fp8 must be null or one of {FP8_FORMATS}; got {fp8!r}")
+    stored = model._hf_dtypes if dtype is None else {}  # an explicit dtype overrides the source checkpoint's
     if dtype is None and model.config.dtype is not None:
         dtype = getattr(torch, model.config.dtype)
     is_writer = not dist.is_initialized() or dist.get_rank() == 0
@@ -155,11 +165,8 @@ def save_hf_weights(
                 full = tensor_transform(name, full)
             if not is_writer:
                 continue
-            if name in keep_fp32:
-                full = full.float()
-            elif dtype is not None and full.is_floating_point():
-                full = full.to(dtype)
             for key, part in zip(model.hf_keys(name), model.param_to_hf(name, full)):
+                part = part.to(_saved_dtype(part, stored.get(key), name in keep_fp32, dtype))
                 if fp8 is not None and part.is_floating_point() and quantizable(key, part.shape):
                     writer.add_group(zip((key, key + SCALE_SUFFIX), quantize_blockwise(part)))
                     continue
@@ -184,6 +191,20 @@ def copy_into(param: torch.Tensor, full: torch.Tensor) -> None:
             param.to_local().copy_(local)
         else:
             param.copy_(full.to(param.dtype))
+
+
+def _saved_dtype(
+    part: torch.Tensor, stored: torch.dtype | None, kept_fp32: bool, dtype: torch.dtype | None
+) -> torch.dtype:
+    """The dtype :func:`save_hf_weights` writes an HF tensor in: its source checkpoint's (``stored``), else fp32
+    for a ``keep_fp32`` tensor, else ``dtype`` (``None``: as it is); non-floating tensors keep theirs."""
+    if not part.is_floating_point():
+        return part.dtype
+    if stored is not None:
+        return stored
+    if kept_fp32:
+        return torch.float32
+    return dtype or part.dtype
 
 
 def _write_side_files(

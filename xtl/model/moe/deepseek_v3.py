@@ -278,6 +278,12 @@ class DeepSeekV3(MoE):
             return [tensor] + [tensor.clone() for _ in range(count - 1)]
         return super().param_to_hf(self._layer_key(key), tensor)
 
+    def hf_matrix_rows(self, key: str, rows: int) -> tuple[int, ...]:
+        """An MTP depth's matrices split as those of the decoder layer whose HF keys it has."""
+        if self.fused_param_parts(key):
+            return super().hf_matrix_rows(key, rows)
+        return super().hf_matrix_rows(self._layer_key(key), rows)
+
     def _layer_key(self, key: str) -> str:
         """The xtl key of an MTP parameter written as a key of layer ``num_hidden_layers + k`` (HF's names)."""
         match = _MTP_KEY.fullmatch(key)

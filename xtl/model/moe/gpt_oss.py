@@ -164,6 +164,12 @@ class GptOss(MoE):
             return [tensor.transpose(1, 2).contiguous()]
         return [tensor]
 
+    def hf_matrix_rows(self, key: str, rows: int) -> tuple[int, ...]:
+        """An expert's ``gate_up`` matrix is one HF matrix (transformers' fused ``gate_up_proj``)."""
+        if _EXPERT_KEY.fullmatch(key) is not None:
+            return (rows,)
+        return super().hf_matrix_rows(key, rows)
+
 
 @dataclass
 class _GptOssBase(GptOssMoEConfig):

@@ -111,6 +111,13 @@ class MoE(Dense):
         gate, up = tensor.chunk(2, dim=1)
         return [t.clone() for t in (*gate.unbind(0), *up.unbind(0))]
 
+    def hf_matrix_rows(self, key: str, rows: int) -> tuple[int, ...]:
+        """An expert's ``gate_up`` matrix is two HF matrices, its gate rows then its up rows."""
+        match = _EXPERT_KEY.fullmatch(key)
+        if match is not None and match[2] == "gate_up":
+            return (rows // 2, rows // 2)
+        return super().hf_matrix_rows(key, rows)
+
     def _extras(self, stats: list, hidden: torch.Tensor, token_mask: torch.Tensor | None) -> dict[str, torch.Tensor]:
         num_tokens = hidden.shape[0] * hidden.shape[1] if token_mask is None else token_mask.sum()
         num_tokens = torch.as_tensor(num_tokens, dtype=torch.int64, device=hidden.device)
