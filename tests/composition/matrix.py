@@ -307,7 +307,6 @@ REFUSED: dict[tuple[str, str, str], str] = {
     ("*", "parity_check", "cp"): "HFParityCheck runs whole documents on each process",
     ("vlm", "parity_check", "*"): "HFParityCheck compares decoder-only text models",
     ("vlm_moe", "parity_check", "*"): "HFParityCheck compares decoder-only text models",
-    ("*", "grpo", "cp"): "GRPOModule generates whole sequences on each rank",
     ("vlm", "grpo", "*"): "GRPOModule trains text models",
     ("vlm_moe", "grpo", "*"): "GRPOModule trains text models",
     **{

@@ -41,5 +41,6 @@ class TestStartEngine:
 
         model = _model()
         add_lora(model.get_submodule("layers.0.self_attn.q_proj"), rank=2, alpha=4.0)
-        with pytest.raises(ConfigError, match=r"engine.name: vllm syncs whole weights, not the adapters \(LoRA\) this run trains: use local"):
+        message = r"engine.name: vllm syncs whole weights, not the adapters \(LoRA\) this run trains: use local"
+        with pytest.raises(ConfigError, match=message):
             start_engine(EngineSettings("vllm"), model, tmp_path, torch.device("cpu"))
