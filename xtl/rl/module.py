@@ -15,6 +15,7 @@ uninterrupted one would.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -164,6 +165,26 @@ class GRPOModule(LanguageModule):
         if not self._pending:
             self._produce()
         update = [self._on_device(mb) for mb in self._pending.pop(0)]
+        forward, sums = self.step_objective()
+        try:
+            result = self.optimizer_step_over(update, forward, lambda mb: mb.num_items)
+        finally:
+            self._replay(None)
+        zero = torch.zeros((), device=self.device)
+        totals = self._sum_over_data_ranks(
+            torch.stack([sum((s[k].float() for s in sums), zero) for k in POLICY_STATS])
+        )
+        metrics = policy_metrics(dict(zip(POLICY_STATS, totals)), self.objective)
+        values = {f"train/{name}": value for name, value in metrics.items()}
+        values.update({k: torch.tensor(v) for k, v in self._rollout_metrics.items()})
+        self.log_step_metrics(values)
+        return result.loss_sum / result.global_tokens.clamp(min=1)
+
+    def step_objective(self) -> tuple[Callable[[RLMicroBatch], ModelOutput], list[dict[str, torch.Tensor]]]:
+        """The policy loss of one update: a micro-batch's forward, whose ``loss_sum`` the step divides by the
+        update's normalizer (``num_items``, over micro-batches and data-parallel ranks), and the list its statistic
+        sums are appended to. Under context parallelism every rank of a group computes the whole micro-batch's loss
+        (its completion tokens made whole over the group) and counts its whole normalizer."""
         sums: list[dict[str, torch.Tensor]] = []
 
         def forward(mb: RLMicroBatch) -> ModelOutput:
@@ -180,19 +201,7 @@ class GRPOModule(LanguageModule):
             sums.append(out.stats)
             return ModelOutput(loss_sum=out.loss_sum, num_tokens=None)
 
-        try:
-            result = self.optimizer_step_over(update, forward, lambda mb: mb.num_items)
-        finally:
-            self._replay(None)
-        zero = torch.zeros((), device=self.device)
-        totals = self._sum_over_data_ranks(
-            torch.stack([sum((s[k].float() for s in sums), zero) for k in POLICY_STATS])
-        )
-        metrics = policy_metrics(dict(zip(POLICY_STATS, totals)), self.objective)
-        values = {f"train/{name}": value for name, value in metrics.items()}
-        values.update({k: torch.tensor(v) for k, v in self._rollout_metrics.items()})
-        self.log_step_metrics(values)
-        return result.loss_sum / result.global_tokens.clamp(min=1)
+        return forward, sums
 
     # ---- evaluation ------------------------------------------------------------------------------------------
 
