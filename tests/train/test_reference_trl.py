@@ -1,11 +1,14 @@
 """The reference policy against TRL's, through ``PreferenceModule`` as it trains (fp64, both sides).
 
-- A run that continues from a trained LoRA adapter (``LoRA.adapter_path``): TRL's ``DPOTrainer`` and ``KTOTrainer``
-  given ``PeftModel.from_pretrained(base, adapter, is_trainable=True)`` and no ``ref_model`` keep a frozen copy of the
+- A run that continues from a trained LoRA adapter (``LoRA.adapter_path``): TRL's ``DPOTrainer``, ``KTOTrainer`` and
+  ``GRPOTrainer`` (with a KL term) given ``PeftModel.from_pretrained(base, adapter, is_trainable=True)`` and no ``ref_model`` keep a frozen copy of the
   starting adapter (their ``ref`` adapter). At the start the rewards are 0 and the DPO loss ``ln 2`` on both sides;
   after the policy's adapter moves (the same perturbation on both sides) the losses and metrics still agree within
   ``RTOL``: the reference stayed the starting adapter (the base model, which every reference mode used to resolve
-  to, gives other numbers: :meth:`TestContinuedAdapter.test_the_base_model_is_not_the_reference`).
+  to, gives other numbers: :meth:`TestContinuedAdapter.test_the_base_model_is_not_the_reference`). For GRPO the
+  old and reference log-probabilities are equal at the start (KL 0, ratio 1); after the adapter moved the reference's
+  per-token log-probabilities equal TRL's ``ref`` adapter's (TRL's own scoring call, under its ``use_adapter``: no
+  public API computes them) and the loss equals ``GRPOTrainer.compute_loss``'s.
 - A separate reference model (``reference: {mode: model, model: <dir>}``, optionally ``adapter: <dir>``): TRL's
   ``ref_model`` (a transformers model, or a ``PeftModel`` of its own).
 
@@ -15,6 +18,7 @@ packed for xtl as those tests pack them.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from pathlib import Path
 from types import SimpleNamespace
@@ -224,3 +228,96 @@ class TestSeparateReferenceModel:
         mb = pack(_dpo_pairs(batch), padding=7)
         assert abs(_xtl(module, mb)[1]["rewards/chosen"] - _xtl(plain, mb)[1]["rewards/chosen"]) > 1e-3
         _assert_same(_xtl(module, mb), loss, metrics, METRICS)
+
+
+class GRPOHeadStandIn(torch.nn.Module):
+    """Answers ``GRPOTrainer.compute_loss``'s scoring call with given per-token log-probabilities of the completions
+    (as TRL's fused LM head returns them: ``GRPOTrainer`` has no entry that takes log-probabilities)."""
+
+    def __init__(self, logps: torch.Tensor, prompt: int) -> None:
+        super().__init__()
+        self.logps, self.prompt = logps, prompt
+
+    def forward(self, input_ids, attention_mask, labels=None, fused_lm_head=False, **kwargs):  # noqa: ANN001, ANN201
+        pad = torch.zeros(self.logps.shape[0], self.prompt, dtype=self.logps.dtype)
+        logps = torch.cat([pad, self.logps], 1)
+        return SimpleNamespace(log_probs=logps, entropy=torch.zeros_like(logps))
+
+
+class TestGRPOContinuedAdapter:
+    """GRPO with a KL term, continued from a trained adapter: TRL's ``GRPOTrainer`` keeps the starting adapter as
+    its ``ref`` adapter; xtl's reference is the same. At the start the KL is 0 and the ratio 1; once the adapter
+    moved, the per-token reference and policy log-probabilities and the loss equal TRL's."""
+
+    PROMPT, COMPLETION = 5, 6
+
+    def test_the_reference_stays_the_starting_adapter(self, checkpoints, adapter, tokenizer, tmp_path):  # noqa: F811
+        from trl.trainer.utils import use_adapter
+
+        from xtl.rl import GRPOModule, PolicyLossConfig
+        from xtl.rl.loss import loss_normalizer
+        from xtl.rl.packing import pack_sequences
+        from xtl.rl.rollout import SamplingSettings
+
+        base, (prompt, completion) = checkpoints[0], (self.PROMPT, self.COMPLETION)
+        generator = torch.Generator().manual_seed(4)
+        ids = torch.randint(3, 1500, (4, prompt + completion), generator=generator)
+        advantages = torch.tensor([1.0, -0.5, 0.7, -1.2], dtype=torch.float64)
+        args = trl.GRPOConfig(
+            output_dir=str(tmp_path), report_to=[], use_cpu=True, bf16=False, fp16=False, beta=0.04,
+            use_bias_correction_kl=False, max_completion_length=completion, num_generations=2,
+            per_device_train_batch_size=2, save_strategy="no", logging_strategy="no", disable_tqdm=True,
+        )  # fmt: skip
+        trainer = trl.GRPOTrainer(
+            model=PeftModel.from_pretrained(_hf(base), adapter, is_trainable=True),
+            reward_funcs=lambda completions, **kwargs: [0.0] * len(completions),
+            args=args,
+            train_dataset=datasets.Dataset.from_list([{"prompt": "a"}, {"prompt": "b"}]),
+            processing_class=tokenizer,
+        )
+        assert "ref" in trainer.model.peft_config, "TRL keeps a frozen copy of the starting adapter"
+
+        def trl_logps(reference: bool) -> torch.Tensor:  # TRL's own scoring, as its rollout step computes them
+            model = trainer.model
+            with torch.no_grad(), use_adapter(model, adapter_name="ref") if reference else contextlib.nullcontext():
+                return trainer._get_per_token_logps_and_entropies(model, ids, torch.ones_like(ids), completion)[0]
+
+        trl_start = trl_logps(False)
+        sampling = SamplingSettings(group_size=2, max_new_tokens=completion)
+        module = GRPOModule(str(base), objective=PolicyLossConfig(beta=0.04), sampling=sampling,
+                            model_overrides={"attn_impl": "sdpa"}, param_dtype="float64")  # fmt: skip
+        module._trainer = SimpleNamespace(callbacks=[LoRA(adapter_path=str(adapter))], strategy=None, global_step=0,
+                                          ckpt_path=None, global_rank=0)  # fmt: skip
+        with pytest.warns(UserWarning, match="param_dtype float64"):
+            module.configure_model()
+        assert module.reference.mode == "live" and module.reference.frozen is None
+        mb = pack_sequences([(row[:prompt].tolist(), row[prompt:].tolist()) for row in ids], advantages.tolist())
+        mb.num_items = float(loss_normalizer("grpo", len(ids), int(mb.mask.sum()), completion))
+        module._fill_logps(mb)
+        assert torch.equal(mb.old_logps, mb.ref_logps), "at the start the reference is the policy: KL 0, ratio 1"
+        torch.testing.assert_close(mb.old_logps, trl_start, rtol=1e-12, atol=1e-12)
+
+        _perturb(trainer.model, ".default.", seed=13, scale=0.1)  # the policy's adapter trains
+        trainer.model.save_pretrained(tmp_path / "moved", selected_adapters=["default"])
+        load_peft_adapter(module.model, tmp_path / "moved")
+        trl_policy, trl_reference = trl_logps(False), trl_logps(True)
+        torch.testing.assert_close(trl_reference, trl_start, rtol=0, atol=0)
+        device_mb = module._on_device(mb)
+        with torch.no_grad(), module.reference.computing(module.model) as reference:
+            xtl_reference = module._token_logps(reference, device_mb)[0]
+        torch.testing.assert_close(xtl_reference, trl_reference, rtol=1e-12, atol=1e-12)
+
+        forward, _ = module.step_objective()
+        with torch.no_grad():
+            xtl_loss = float(forward(device_mb).loss_sum / mb.num_items)
+        inputs = {
+            "prompt_ids": ids[:, :prompt], "prompt_mask": torch.ones_like(ids[:, :prompt]),
+            "completion_ids": ids[:, prompt:], "completion_mask": torch.ones_like(ids[:, prompt:]),
+            "advantages": advantages, "old_per_token_logps": trl_start, "ref_per_token_logps": trl_reference,
+            "num_items_in_batch": torch.tensor(ids[:, prompt:].numel()),
+        }  # fmt: skip
+        trainer.model.eval()
+        with torch.no_grad():
+            trl_loss = float(trainer.compute_loss(GRPOHeadStandIn(trl_policy, prompt), inputs))
+        assert abs(trl_loss) > 1e-4, "the policy moved: a KL and ratios off 1"
+        assert_rel(xtl_loss, trl_loss, "loss", RTOL)
