@@ -1,14 +1,16 @@
-"""The reference policy against TRL's, through ``PreferenceModule`` as it trains (fp64, both sides).
+"""The reference policy against TRL's, through ``PreferenceModule`` and ``GRPOModule`` as they train (fp64, both
+sides).
 
 - A run that continues from a trained LoRA adapter (``LoRA.adapter_path``): TRL's ``DPOTrainer``, ``KTOTrainer`` and
-  ``GRPOTrainer`` (with a KL term) given ``PeftModel.from_pretrained(base, adapter, is_trainable=True)`` and no ``ref_model`` keep a frozen copy of the
-  starting adapter (their ``ref`` adapter). At the start the rewards are 0 and the DPO loss ``ln 2`` on both sides;
-  after the policy's adapter moves (the same perturbation on both sides) the losses and metrics still agree within
-  ``RTOL``: the reference stayed the starting adapter (the base model, which every reference mode used to resolve
-  to, gives other numbers: :meth:`TestContinuedAdapter.test_the_base_model_is_not_the_reference`). For GRPO the
-  old and reference log-probabilities are equal at the start (KL 0, ratio 1); after the adapter moved the reference's
-  per-token log-probabilities equal TRL's ``ref`` adapter's (TRL's own scoring call, under its ``use_adapter``: no
-  public API computes them) and the loss equals ``GRPOTrainer.compute_loss``'s.
+  ``GRPOTrainer`` (with a KL term) given ``PeftModel.from_pretrained(base, adapter, is_trainable=True)`` and no
+  ``ref_model`` keep a frozen copy of the starting adapter (their ``ref`` adapter). At the start the rewards are 0 and
+  the DPO loss ``ln 2`` on both sides; after the policy's adapter moves (the same perturbation on both sides) the
+  losses and metrics still agree within ``RTOL``: the reference stayed the starting adapter (the base model, which
+  every reference mode used to resolve to, gives other numbers:
+  :meth:`TestContinuedAdapter.test_the_base_model_is_not_the_reference`). For GRPO the old and reference
+  log-probabilities are equal at the start (KL 0, ratio 1); after the adapter moved the reference's per-token
+  log-probabilities equal TRL's ``ref`` adapter's (TRL's own scoring call, under its ``use_adapter``: no public API
+  computes them) and the loss equals ``GRPOTrainer.compute_loss``'s.
 - A separate reference model (``reference: {mode: model, model: <dir>}``, optionally ``adapter: <dir>``): TRL's
   ``ref_model`` (a transformers model, or a ``PeftModel`` of its own).
 
