@@ -251,7 +251,7 @@ class GRPOModule(LanguageModule):
             "judger": self.judger.state_dict(),
             "rollout_metrics": dict(self._rollout_metrics),
         }
-        group = self.parallelizer.data_group()  # every rank: context parallelism is refused in setup
+        group = self.parallelizer.data_group()  # every rank (context-parallel ones each hold their own state)
         ranks = [state]
         if group is not None:
             ranks = [None] * self.parallelizer.layout.world_size
