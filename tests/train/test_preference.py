@@ -111,7 +111,9 @@ class TestReference:
         assert not any(p.requires_grad for p in module.reference.parameters())
         assert not any(key.startswith("reference.") for key in module.state_dict())
         module.train()
-        assert module.model.training and not module.reference.frozen.training, "the reference stays in eval mode"
+        with module.reference.computing(module.model) as reference:
+            assert not any(m.training for m in reference.modules()), "the reference computes in eval mode"
+        assert module.model.training and module.reference.frozen.training
 
     def test_the_reference_stays_while_the_policy_moves(self):
         module = _module()

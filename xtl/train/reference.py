@@ -115,8 +115,8 @@ class ReferencePolicy(nn.Module):
     """The reference an objective compares with: a frozen copy, a view of the policy, or nothing
     (:mod:`xtl.train.reference`).
 
-    It is a submodule of the objective so that a synced copy lands in checkpoints; it stays in eval mode whatever
-    the objective's mode, and none of its parameters trains.
+    It is a submodule of the objective so that a synced copy lands in checkpoints; it computes in eval mode whatever
+    the objective's mode (its dropout never acts), and none of its parameters trains.
 
     Args:
         config: The ``reference`` setting.
@@ -200,6 +200,8 @@ class ReferencePolicy(nn.Module):
             self.frozen = owner.build_frozen_copy(transforms)
         elif mode == "model":
             self.frozen = self._build_model(owner)
+        if self.frozen is not None:  # in the objective's mode between forwards (Lightning checks the modes)
+            self.frozen.train(self.training)
         if self.synced:
             self._check_sync(owner.model)
 
@@ -228,7 +230,7 @@ class ReferencePolicy(nn.Module):
         if not self.computes_live:
             raise RuntimeError(f"reference {self._mode} computes no log-probabilities while training")
         if self.frozen is not None:
-            with torch.no_grad():
+            with torch.no_grad(), _eval_mode(self.frozen):
                 yield self.frozen
             return
         views = [v.start if self._mode == "live" else v.base for v in self._views]
@@ -285,11 +287,6 @@ class ReferencePolicy(nn.Module):
         if self.frozen is None or self.synced:
             return set()
         return {f"{prefix}frozen.{name}" for name in self.frozen.state_dict()}
-
-    def train(self, mode: bool = True) -> ReferencePolicy:
-        """The reference stays in eval mode (its dropout never acts)."""
-        self.training = mode
-        return self
 
     # ---- private ---------------------------------------------------------------------------------------------
 
