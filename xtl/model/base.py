@@ -18,6 +18,7 @@ from xtl.model.hf.format import DEFAULT_MAX_SHARD_SIZE
 from xtl.model.hf.model_io import copy_into, load_hf_weights, save_hf_weights
 from xtl.module.moe_block import MoEBlock
 from xtl.module.norm import RMSNorm
+from xtl.module.traits import AdapterModule, FusesProjections, KeepsFp32, SelfInitializing
 
 
 class BaseModel(nn.Module, ABC):
@@ -84,9 +85,10 @@ class BaseModel(nn.Module, ABC):
         """The parts of a fused projection's parameter ``key``: ``(unfused xtl key, rows)`` each, in row order;
         empty for any other key.
 
-        A module declares its fused projections in a ``fused_parts`` dict, ``{child: ((part, rows), ...)}``
-        (e.g. ``qkv_proj`` of ``q_proj``, ``k_proj`` and ``v_proj``): ``layers.0.self_attn.qkv_proj.weight`` is
-        ``layers.0.self_attn.q_proj.weight`` and so on, stacked on dim 0.
+        A module declares its fused projections as a :class:`~xtl.module.traits.FusesProjections`, in its
+        ``fused_parts`` dict, ``{child: ((part, rows), ...)}`` (e.g. ``qkv_proj`` of ``q_proj``, ``k_proj`` and
+        ``v_proj``): ``layers.0.self_attn.qkv_proj.weight`` is ``layers.0.self_attn.q_proj.weight`` and so on,
+        stacked on dim 0.
         """
         owner_path, _, rest = key.rpartition(".")
         owner_path, _, child = owner_path.rpartition(".")
@@ -94,7 +96,7 @@ class BaseModel(nn.Module, ABC):
             owner = self.get_submodule(owner_path) if owner_path else self
         except AttributeError:
             return ()
-        parts = getattr(owner, "fused_parts", None) or {}
+        parts = owner.fused_parts if isinstance(owner, FusesProjections) else {}
         if child not in parts:
             return ()
         prefix = f"{owner_path}." if owner_path else ""
@@ -103,8 +105,8 @@ class BaseModel(nn.Module, ABC):
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         """The parameters and persistent buffers that map to HF keys (tied parameters once).
 
-        Parameters of adapter modules (``is_adapter``, e.g. LoRA factors) are not part of the HF model: see
-        :meth:`adapter_tensors`.
+        Parameters of adapter modules (:class:`~xtl.module.traits.AdapterModule`, e.g. LoRA factors) are not part
+        of the HF model: see :meth:`adapter_tensors`.
         """
         adapters = self.adapter_tensors()
         tensors: dict[str, torch.Tensor] = {k: v for k, v in self.named_parameters() if k not in adapters}
@@ -117,12 +119,12 @@ class BaseModel(nn.Module, ABC):
         return tensors
 
     def adapter_tensors(self) -> dict[str, torch.Tensor]:
-        """Parameters of adapter modules (``is_adapter``): xtl-only weights with no HF key, initialized by their
-        modules' ``init_param`` after every load or initialization of the model."""
+        """Parameters of adapter modules (:class:`~xtl.module.traits.AdapterModule`): xtl-only weights with no HF
+        key, initialized by their modules' ``init_param`` after every load or initialization of the model."""
         return {
             f"{prefix}.{name}" if prefix else name: param
             for prefix, module in self.named_modules()
-            if getattr(module, "is_adapter", False)
+            if isinstance(module, AdapterModule)
             for name, param in module.named_parameters(recurse=False)
         }
 
@@ -201,11 +203,13 @@ class BaseModel(nn.Module, ABC):
         )
 
     def _keep_fp32_names(self) -> set[str]:
-        """Checkpoint names that modules declare fp32 whatever the model dtype (``keep_fp32`` attribute names)."""
+        """Checkpoint names that modules declare fp32 whatever the model dtype (the ``keep_fp32`` names of each
+        :class:`~xtl.module.traits.KeepsFp32`)."""
         return {
             f"{prefix}.{attr}" if prefix else attr
             for prefix, module in self.named_modules()
-            for attr in getattr(module, "keep_fp32", ())
+            if isinstance(module, KeepsFp32)
+            for attr in module.keep_fp32
         }
 
     # ---- init and sharding ----------------------------------------------------------------------------------
@@ -213,8 +217,8 @@ class BaseModel(nn.Module, ABC):
     def init_weights(self) -> None:
         """Initialize every weight (normal(0, initializer_range) for matrices, zeros for biases, ones for norms).
 
-        A module with an ``init_param(attr, tensor, std)`` method initializes its own parameters. A model built
-        on ``meta`` is materialized on CPU first.
+        A :class:`~xtl.module.traits.SelfInitializing` module initializes its own parameters. A model built on
+        ``meta`` is materialized on CPU first.
         """
         if any(t.is_meta for t in self.checkpoint_tensors().values()):
             self.materialize("cpu")
@@ -251,7 +255,7 @@ class BaseModel(nn.Module, ABC):
         std = self.config.initializer_range
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed((torch.initial_seed() + zlib.crc32(name.encode())) % 2**63)
-            if hasattr(module, "init_param"):
+            if isinstance(module, SelfInitializing):
                 module.init_param(attr, full, std)
             elif isinstance(module, RMSNorm):
                 full.fill_(1.0)
@@ -293,11 +297,8 @@ class BaseModel(nn.Module, ABC):
 
     def fp32_modules(self) -> list[nn.Module]:
         """Modules that keep parameters in fp32 whatever the training dtype (their ``keep_fp32`` names)."""
-        return [
-            module
-            for module in self.modules()
-            if any(isinstance(getattr(module, name, None), nn.Parameter) for name in getattr(module, "keep_fp32", ()))
-        ]
+        kept = [module for module in self.modules() if isinstance(module, KeepsFp32)]
+        return [m for m in kept if any(isinstance(getattr(m, name), nn.Parameter) for name in m.keep_fp32)]
 
     def shard_units(self) -> list[nn.Module]:
         """The modules a sharding strategy wraps one by one before the root: every block of :meth:`layer_stacks`.
@@ -354,6 +355,6 @@ __all__ = ["BaseModel"]
 
 
 def has_fused_projections(model: nn.Module) -> bool:
-    """Whether a module of ``model`` fuses projections (declares ``fused_parts``; see
-    :meth:`BaseModel.fused_param_parts`)."""
-    return any(getattr(module, "fused_parts", None) for module in model.modules())
+    """Whether a module of ``model`` fuses projections (a :class:`~xtl.module.traits.FusesProjections` with
+    ``fused_parts``; see :meth:`BaseModel.fused_param_parts`)."""
+    return any(isinstance(module, FusesProjections) and module.fused_parts for module in model.modules())

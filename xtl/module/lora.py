@@ -17,14 +17,16 @@ from typing import Any
 import torch
 from torch import nn
 
+from xtl.module.traits import AdapterModule
+
 LORA_INITS = ("kaiming", "gaussian")
 
 
-class LoRAProjection(nn.Linear):
+class LoRAProjection(AdapterModule, nn.Linear):
     """One factor of an adapter (``lora_A`` or ``lora_B``): a bias-free linear layer with no HF key.
 
-    ``is_adapter`` tells the model's checkpoint code that these weights are not part of the HF model: they are
-    neither loaded from nor written to HF safetensors, and they initialize themselves through :meth:`init_param`.
+    An :class:`~xtl.module.traits.AdapterModule`: these weights are not part of the HF model; they are neither
+    loaded from nor written to HF safetensors, and they initialize themselves through :meth:`init_param`.
 
     Args:
         in_features: Input width.
@@ -32,8 +34,6 @@ class LoRAProjection(nn.Linear):
         role: ``"A"`` (down projection, random init) or ``"B"`` (up projection, zeros).
         init: ``kaiming`` (PEFT's default: Kaiming-uniform ``A``) or ``gaussian`` (``A ~ N(0, 1/r)``).
     """
-
-    is_adapter = True
 
     def __init__(self, in_features: int, out_features: int, role: str, init: str = "kaiming", **kwargs: Any) -> None:
         super().__init__(in_features, out_features, bias=False, **kwargs)
@@ -72,14 +72,21 @@ def add_lora(
     layer.lora_B = LoRAProjection(rank, layer.out_features, "B", init, **factory)
     layer.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
     layer.lora_scaling = alpha / math.sqrt(rank) if use_rslora else alpha / rank
+    layer.lora_enabled = True
     layer.register_forward_hook(_add_adapter_output)
 
 
 def lora_layers(model: nn.Module) -> Iterator[tuple[str, nn.Linear]]:
-    """``(name, layer)`` of every adapted layer of ``model``."""
+    """``(name, layer)`` of every adapted layer of ``model``: the modules whose children include adapter factors."""
     for name, module in model.named_modules():
-        if isinstance(getattr(module, "lora_A", None), LoRAProjection):
+        if lora_factors(module):
             yield name, module
+
+
+def lora_factors(layer: nn.Module) -> dict[str, LoRAProjection]:
+    """The adapter factors of ``layer`` by child name (``{"lora_A": ..., "lora_B": ...}``, PEFT's key parts; empty
+    for a layer without an adapter)."""
+    return {name: child for name, child in layer.named_children() if isinstance(child, LoRAProjection)}
 
 
 @contextmanager
@@ -103,7 +110,7 @@ def merged_weight(layer: nn.Linear, weight: torch.Tensor, lora_a: torch.Tensor, 
 
 
 def _add_adapter_output(layer: nn.Module, args: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor:
-    if not getattr(layer, "lora_enabled", True):
+    if not layer.lora_enabled:
         return output
     x = args[0]
     x = x.to(layer.lora_A.weight.dtype) if not torch.is_autocast_enabled(x.device.type) else x
