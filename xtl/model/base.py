@@ -24,10 +24,15 @@ from xtl.module.traits import AdapterModule, FusesProjections, KeepsFp32, SelfIn
 class BaseModel(nn.Module, ABC):
     """Checkpoint I/O, initialization and sharding shared by all model families.
 
-    Subclasses implement :meth:`forward` and :meth:`decoder_layers` (abstract: a family that lacks one cannot be
-    built) and may override :meth:`to_hf_key_list`, :meth:`hf_to_param` and
+    Subclasses implement :meth:`forward`, :meth:`decoder_layers` and :meth:`text_model` (abstract: a family that
+    lacks one cannot be built) and may override :meth:`to_hf_key_list`, :meth:`hf_to_param` and
     :meth:`param_to_hf` (tensor-layout hooks for HF tensors that differ by more than a name).
+
+    Attributes:
+        config: The model's config.
     """
+
+    config: TransformerConfig
 
     def __init__(self, config: TransformerConfig) -> None:
         super().__init__()
@@ -291,9 +296,10 @@ class BaseModel(nn.Module, ABC):
         vision = self.vision_blocks()
         return {**({"vision": vision} if vision is not None else {}), "language": self.decoder_layers()}
 
-    def text_model(self) -> nn.Module:
-        """The language-model body: embedding, decoder layers, final norm and the head with its ``head_loss``."""
-        return self
+    @abstractmethod
+    def text_model(self) -> TextModel:
+        """The language-model body (the model itself for a text model): embedding, decoder layers, final norm and
+        the head with its ``head_loss``, by type (:class:`TextModel`)."""
 
     def fp32_modules(self) -> list[nn.Module]:
         """Modules that keep parameters in fp32 whatever the training dtype (their ``keep_fp32`` names)."""
@@ -351,7 +357,40 @@ class BaseModel(nn.Module, ABC):
         return self._hf_path
 
 
-__all__ = ["BaseModel"]
+class TextModel(BaseModel):
+    """A decoder-only language model: what every family's :meth:`BaseModel.text_model` returns, its parts by type.
+
+    Code that needs the embedding, the final norm or the head takes them from here and recognizes them by identity
+    (``module is model.text_model().lm_head``), never by their names.
+
+    Attributes:
+        embed_tokens: The input embedding.
+        layers: The decoder layers (:meth:`decoder_layers`).
+        norm: The final norm.
+        lm_head: The output head (its weight is ``embed_tokens.weight`` when the config ties them).
+    """
+
+    embed_tokens: nn.Embedding
+    layers: nn.ModuleList
+    norm: nn.Module
+    lm_head: nn.Linear
+
+    def decoder_layers(self) -> nn.ModuleList:
+        """``layers``."""
+        return self.layers
+
+    def text_model(self) -> TextModel:
+        """The model itself."""
+        return self
+
+    @abstractmethod
+    def head_loss(
+        self, hidden: torch.Tensor, targets: torch.Tensor | None, return_logits: bool
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """LM head and loss of final hidden states: ``(logits, loss, loss_sum, num_tokens)``."""
+
+
+__all__ = ["BaseModel", "TextModel"]
 
 
 def has_fused_projections(model: nn.Module) -> bool:
