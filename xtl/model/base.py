@@ -26,7 +26,8 @@ class BaseModel(nn.Module, ABC):
 
     Subclasses implement :meth:`forward`, :meth:`decoder_layers` and :meth:`text_model` (abstract: a family that
     lacks one cannot be built) and may override :meth:`to_hf_key_list`, :meth:`hf_to_param` and
-    :meth:`param_to_hf` (tensor-layout hooks for HF tensors that differ by more than a name).
+    :meth:`param_to_hf` (tensor-layout hooks for HF tensors that differ by more than a name) and
+    :meth:`ignorable_hf_key`.
 
     Attributes:
         config: The model's config.
@@ -164,7 +165,9 @@ class BaseModel(nn.Module, ABC):
     def tie_weights(self) -> None:
         """Re-establish parameter sharing that ``to_empty`` breaks (no-op unless a family ties weights)."""
 
-    def _ignorable_hf_key(self, key: str) -> bool:
+    def ignorable_hf_key(self, key: str) -> bool:
+        """Whether the checkpoint key ``key``, which no parameter of the model reads, may be left unread (rotary
+        buffers, a tied head's own copy)."""
         return key.endswith("rotary_emb.inv_freq") or (self.config.tie_word_embeddings and key == "lm_head.weight")
 
     # ---- saving ---------------------------------------------------------------------------------------------
@@ -187,8 +190,8 @@ class BaseModel(nn.Module, ABC):
             out_dir: Target directory (replaced if it exists).
             max_shard_size: Upper bound per shard with a unit, e.g. ``"5GB"`` or ``"4GiB"``.
             dtype: Cast floating-point tensors to this dtype (default: the config's ``dtype`` -- the source
-                checkpoint's -- if set, else the parameter dtypes). Tensors a module declares in its ``keep_fp32``
-                attribute are always written in fp32.
+                checkpoint's -- if set, else the parameter dtypes). Tensors a module declares fp32
+                (:meth:`keep_fp32_names`) are always written in fp32.
             fp8: ``"blockwise"`` writes the large linear weights as 128x128 block-quantized fp8 with
                 ``_scale_inv`` scales and a ``quantization_config`` (the format of ``xtl convert to-fp8``).
             tensor_transform: Applied to each full tensor on every rank before it is written (e.g. merging LoRA
@@ -207,7 +210,7 @@ class BaseModel(nn.Module, ABC):
             token_ids=token_ids,
         )
 
-    def _keep_fp32_names(self) -> set[str]:
+    def keep_fp32_names(self) -> set[str]:
         """Checkpoint names that modules declare fp32 whatever the model dtype (the ``keep_fp32`` names of each
         :class:`~xtl.module.traits.KeepsFp32`)."""
         return {
@@ -227,10 +230,10 @@ class BaseModel(nn.Module, ABC):
         """
         if any(t.is_meta for t in self.checkpoint_tensors().values()):
             self.materialize("cpu")
-        self._init_named([*self.checkpoint_tensors(), *self.adapter_tensors()])
+        self.init_tensors([*self.checkpoint_tensors(), *self.adapter_tensors()])
 
     @torch.no_grad()
-    def _init_named(self, names: list[str]) -> None:
+    def init_tensors(self, names: list[str]) -> None:
         """Initialize each named tensor from its own seed (base seed x name), on a full CPU copy.
 
         The values are therefore independent of initialization order and of how parameters are sharded: a model
@@ -238,6 +241,10 @@ class BaseModel(nn.Module, ABC):
 
         A fused projection's parameter is initialized part by part, each part from its own (unfused) name, so a
         model with ``fused_projections`` starts from the very weights of the model without.
+
+        Args:
+            names: Names of :meth:`checkpoint_tensors` or :meth:`adapter_tensors` (e.g. the ones a checkpoint
+                lacks, and the adapters, after a load).
         """
         modules = dict(self.named_modules())
         tensors = {**self.checkpoint_tensors(), **self.adapter_tensors()}

@@ -96,7 +96,7 @@ def build_reference(
     layers = model.decoder_layers()
     keep_layers = len(layers) if max_layers is None else min(max_layers, len(layers))
     left_out = {id(t) for layer in layers[keep_layers:] for t in (*layer.parameters(), *layer.buffers())}
-    keep_fp32 = model._keep_fp32_names()
+    keep_fp32 = model.keep_fp32_names()
     state: dict[str, torch.Tensor] = {}
     for name, tensor in model.checkpoint_tensors().items():
         if id(tensor) in left_out:  # a tensor of a decoder layer the reference does not build
