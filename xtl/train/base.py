@@ -105,7 +105,7 @@ class LanguageModule(pl.LightningModule):
         self.model_config, self.hf_dir = resolve_model_config(model, model_overrides)
         self.family = family_of(self.model_config)
         self.family_training = family_training(self.model_config, routing)
-        if getattr(self.model_config, "mtp_layers", 0) and not self.trains_mtp:
+        if self.model_config.mtp_layers and not self.trains_mtp:
             raise ConfigError(
                 f"mtp_layers: {type(self).__name__} does not train multi-token prediction (a next-token objective "
                 "of LanguageModule); set mtp_layers to 0"
@@ -195,7 +195,7 @@ class LanguageModule(pl.LightningModule):
                 "xtl predict / generate decode whole prompts on each process: set "
                 "trainer.strategy.init_args.context_parallel_size to 1 for them"
             )
-        if getattr(self.model_config, "mtp_layers", 0) and self.parallelizer.layout.cp > 1:
+        if self.model_config.mtp_layers and self.parallelizer.layout.cp > 1:
             raise ConfigError(
                 "mtp_layers: multi-token prediction shifts tokens across context-parallel shares, which xtl does not "
                 "support; set trainer.strategy.init_args.context_parallel_size to 1 or mtp_layers to 0"
