@@ -20,6 +20,8 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
 from xtl.data.collate import MicroBatch, collate_pack, split_for_context_parallel
+from xtl.data.consumer import DataConsumer
+from xtl.data.datamodule import XTLDataModule
 from xtl.data.item import IGNORE_INDEX
 from xtl.data.packing import Pack
 from xtl.errors import ConfigError, did_you_mean
@@ -41,7 +43,7 @@ from xtl.train.step import (
 from xtl.utils import atomic_write_bytes
 
 
-class LanguageModule(pl.LightningModule):
+class LanguageModule(pl.LightningModule, DataConsumer):
     """Trains an xtl model of any family on step batches (``list[MicroBatch]``) from :class:`xtl.data.XTLDataModule`.
 
     Manual optimization: each ``training_step`` runs forward/backward on every micro-batch with the loss scaled by
@@ -128,6 +130,11 @@ class LanguageModule(pl.LightningModule):
         self._predictions: list[dict[str, Any]] = []
         self._predict_generator: torch.Generator | None = None
 
+    @property
+    def reads_images(self) -> bool:
+        """The model has a vision tower (its family's ``vision`` trait): the data module feeds it images."""
+        return self.family.vision
+
     # ---- model -----------------------------------------------------------------------------------------------
 
     def configure_model(self) -> None:
@@ -181,10 +188,9 @@ class LanguageModule(pl.LightningModule):
     def setup(self, stage: str) -> None:
         """Check that the datamodule's tokenizer fits the model's vocabulary (a clear error instead of an index
         error deep inside the embedding)."""
-        datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
-        load = getattr(datamodule, "load_tokenizer", None)
-        if load is not None:
-            size = len(load())
+        datamodule = self._trainer.datamodule if self._trainer is not None else None
+        if isinstance(datamodule, XTLDataModule):
+            size = len(datamodule.load_tokenizer())
             if size > self.model_config.vocab_size:
                 raise ValueError(
                     f"the tokenizer {datamodule.tokenizer_path!r} has {size} tokens but the model's vocab_size is "
@@ -387,7 +393,8 @@ class LanguageModule(pl.LightningModule):
         ``<default_root_dir>/predictions.jsonl``); rank 0 writes (every rank decodes every prompt)."""
         if not self.trainer.is_global_zero:
             return
-        output = getattr(self.trainer.datamodule, "predict_output", None)
+        datamodule = self.trainer.datamodule
+        output = datamodule.predict_output if isinstance(datamodule, XTLDataModule) else None
         path = Path(output) if output else Path(self.trainer.default_root_dir) / "predictions.jsonl"
         lines = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in self._predictions)
         atomic_write_bytes(path, lines.encode("utf-8"))
@@ -580,8 +587,10 @@ class LanguageModule(pl.LightningModule):
         return sets[key]
 
     def _set_name(self, stage: str, dataloader_idx: int) -> str:
-        datamodule = getattr(self.trainer, "datamodule", None)
-        names = getattr(datamodule, f"{stage}_set_names", None) or []
+        datamodule = self.trainer.datamodule
+        names: list[str] = []
+        if isinstance(datamodule, XTLDataModule):
+            names = datamodule.val_set_names if stage == "val" else datamodule.test_set_names
         return names[dataloader_idx] if dataloader_idx < len(names) else str(dataloader_idx)
 
 

@@ -205,7 +205,7 @@ class PreferenceModule(LanguageModule):
                 "model.init_args.reference: precomputed computes whole packs on each data-parallel rank; with "
                 "trainer.strategy.init_args.context_parallel_size > 1 use reference: live (or adapters_off)"
             )
-        datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+        datamodule = self._trainer.datamodule if self._trainer is not None else None
         if isinstance(datamodule, XTLDataModule):
             self._check_data_kinds(datamodule)
 
@@ -332,7 +332,7 @@ class PreferenceModule(LanguageModule):
         """
         if self.resolved_reference != "precomputed":
             return
-        datamodule = getattr(self.trainer, "datamodule", None)
+        datamodule = self.trainer.datamodule
         if not isinstance(datamodule, XTLDataModule):
             raise ConfigError(
                 "model.init_args.reference: precomputed reads the pairs from xtl.data.XTLDataModule (the data: "
