@@ -257,7 +257,7 @@ class GRPOModule(LanguageModule):
                 "GRPOModule generates whole sequences on each rank: set trainer.strategy.init_args."
                 "context_parallel_size to 1"
             )
-        if self.family.name.startswith("vision"):
+        if self.family.vision:
             raise ConfigError("GRPOModule trains text models; a vision-language policy is not supported yet")
         datamodule = getattr(self._trainer, "datamodule", None)
         if datamodule is not None and getattr(datamodule, "prompts", None) is None:
