@@ -18,7 +18,7 @@ from xtl.cli_parser import XTLArgumentParser, user_error_message
 from xtl.data import XTLDataModule
 from xtl.errors import ConfigError, debug_enabled
 from xtl.moved_settings import moved_setting_error
-from xtl.run_layout import SaveRunConfig, refuse_stale_checkpoints, root_outputs_at
+from xtl.run_layout import SaveRunConfig, class_path_of, refuse_stale_checkpoints, root_outputs_at
 from xtl.strategies.checkpoint_io import LIGHTNING_METADATA, raise_if_unreadable
 from xtl.train import LanguageModule
 from xtl.train.optim import OptimizerConfig
@@ -32,6 +32,8 @@ set_parsing_settings(subclasses_enabled=[OptimizerConfig])
 
 class XTLCLI(LightningCLI):
     """LightningCLI with xtl's module base (``class_path`` picks the family) and data module."""
+
+    _only: str | None = None  # the subcommand that runs (None: every one)
 
     def __init__(self, args: list[str] | None = None, run: bool = True) -> None:
         words = sys.argv[1:] if args is None else args
@@ -55,8 +57,7 @@ class XTLCLI(LightningCLI):
     def subcommands(self) -> dict[str, set[str]]:  # type: ignore[override]
         """Lightning's subcommands, only the one that runs when the command line names one."""
         every = LightningCLI.subcommands()
-        only = getattr(self, "_only", None)
-        return {only: every[only]} if only else every
+        return {self._only: every[self._only]} if self._only else every
 
     def before_instantiate_classes(self) -> None:
         """Lay the run out in ``trainer.default_root_dir`` (:mod:`xtl.run_layout`), check the accelerator exists,
@@ -73,7 +74,7 @@ class XTLCLI(LightningCLI):
         if fallback is not None:
             print(f"xtl: {fallback}", file=sys.stderr)
             trainer.precision = "32-true"
-        bars = [c for c in trainer.callbacks or [] if "ProgressBar" in str(getattr(c, "class_path", ""))]
+        bars = [c for c in trainer.callbacks or [] if "ProgressBar" in class_path_of(c)]
         if trainer.enable_progress_bar is not False and not bars:
             bar = Namespace(class_path="xtl.callbacks.StepProgressBar", init_args=Namespace(refresh_rate=1))
             trainer.callbacks = [*(trainer.callbacks or []), bar]

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+from jsonargparse import Namespace
 from lightning.pytorch.cli import SaveConfigCallback
 
 from xtl.errors import ConfigError
@@ -68,14 +69,14 @@ def root_outputs_at(config: Any, subcommand: str | None = None) -> None:
     trainer.default_root_dir = str(root)
     loggers = trainer.logger if isinstance(trainer.logger, list) else [trainer.logger]
     for entry, key in [(e, "save_dir") for e in loggers] + [(c, "dirpath") for c in trainer.callbacks or []]:
-        init_args = getattr(entry, "init_args", None)
-        value = getattr(init_args, key, None) if init_args is not None else None
+        init_args = _init_args(entry)
+        value = init_args.get(key) if init_args is not None else None
         if isinstance(value, str) and not Path(value).is_absolute():
             setattr(init_args, key, str(root / value))
     if subcommand in EVAL_SUBCOMMANDS:
         for entry in loggers:
-            init_args = getattr(entry, "init_args", None)
-            if init_args is not None and hasattr(init_args, "name"):
+            init_args = _init_args(entry)
+            if init_args is not None and "name" in init_args:
                 init_args.name = subcommand
 
 
@@ -89,9 +90,10 @@ def refuse_stale_checkpoints(config: Any) -> None:
     if config.get("ckpt_path"):
         return
     for callback in config.trainer.callbacks or []:
-        if "Checkpoint" not in str(getattr(callback, "class_path", "")):
+        if "Checkpoint" not in class_path_of(callback):
             continue
-        dirpath = getattr(getattr(callback, "init_args", None), "dirpath", None)
+        init_args = _init_args(callback)
+        dirpath = init_args.get("dirpath") if init_args is not None else None
         folder = Path(dirpath) if isinstance(dirpath, str) else None
         found = sorted(folder.glob("*.ckpt"), key=lambda p: p.stat().st_mtime) if folder and folder.is_dir() else []
         if found:
@@ -100,3 +102,15 @@ def refuse_stale_checkpoints(config: Any) -> None:
                 "would leave its 'last' checkpoint beside them. Resume that run with --ckpt_path last, write this "
                 f"one elsewhere with --trainer.default_root_dir DIR, or delete {folder}"
             )
+
+
+def class_path_of(entry: Any) -> str:
+    """The ``class_path`` of a ``class_path`` / ``init_args`` entry of the parsed config (``""`` for another value,
+    e.g. a logger given as ``true``)."""
+    return str(entry.get("class_path") or "") if isinstance(entry, Namespace) else ""
+
+
+def _init_args(entry: Any) -> Any:
+    """The ``init_args`` of a ``class_path`` / ``init_args`` entry of the parsed config (``None`` for another
+    value)."""
+    return entry.get("init_args") if isinstance(entry, Namespace) else None

@@ -223,7 +223,7 @@ class TestQLoRAModel:
 
     def test_all_linear_quantizes_frozen_layers_without_adapters_but_not_the_head(self):
         model = lora_model(DENSE128, target_modules=["q_proj"])
-        quantize_base_weights(model, all_linear=True)
+        quantize_base_weights(model, all_linear=True, head=model.text_model().lm_head)
         nf4 = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if is_nf4(getattr(m, "weight", None))}
         assert nf4 == set(QUANTIZABLE)
         assert not is_nf4(model.lm_head.weight)

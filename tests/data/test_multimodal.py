@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -12,7 +13,7 @@ from PIL import Image
 from transformers import AutoTokenizer
 
 import xtl.data.multimodal as mm
-from xtl.data import DataError, XTLDataModule
+from xtl.data import DataConsumer, DataError, XTLDataModule
 from xtl.data.collate import collate_pack
 from xtl.data.multimodal import IMAGE_TOKEN, ImageProcessorConfig, VisionChatTokenizeFn
 from xtl.data.tokenize_fn import build_tokenize_fn
@@ -43,7 +44,18 @@ def _write(path: Path, records: list[dict]) -> Path:
     return path
 
 
-def _datamodule(path: Path, cache: Path, **kwargs) -> XTLDataModule:
+class _Model(DataConsumer):
+    """The module a data module feeds, as far as data is concerned."""
+
+    def __init__(self, reads_images: bool) -> None:
+        self._images = reads_images
+
+    @property
+    def reads_images(self) -> bool:
+        return self._images
+
+
+def _datamodule(path: Path, cache: Path, images: bool = True, **kwargs) -> XTLDataModule:
     args = dict(
         sources=[{"path": str(path)}],
         tokenizer=TOKENIZER,
@@ -53,7 +65,9 @@ def _datamodule(path: Path, cache: Path, **kwargs) -> XTLDataModule:
         image_processor=SETTINGS,
         progress=False,
     )
-    return XTLDataModule(**{**args, **kwargs})
+    datamodule = XTLDataModule(**{**args, **kwargs})
+    datamodule.feed(_Model(reads_images=images))
+    return datamodule
 
 
 class TestImageProcessorConfig:
@@ -227,6 +241,33 @@ class TestVisionDataModule:
         dm.setup()
         with pytest.raises(DataError, match=r"d\.jsonl:1: the sample is cut inside an image"):
             dm.train_split.packs[0]
+
+    def test_the_model_fed_says_whether_packs_carry_images(self, tmp_path):
+        """The data module asks the model (the trainer's module, or the one given to ``feed``), never its own
+        ``image_processor`` setting."""
+        _image(tmp_path / "a.png", (64, 64))
+        path = _write(tmp_path / "d.jsonl", [_record("a.png")] * 2)
+        alone = _datamodule(path, tmp_path / "cache", image_processor=None)
+        alone.setup()  # fed a vision model, default image settings
+        assert isinstance(alone.train_split.packs[0], mm.VisionPack)
+        chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "red"}]
+        text = XTLDataModule(
+            sources=[{"path": str(_write(tmp_path / "t.jsonl", [{"messages": chat}]))}],
+            tokenizer=TOKENIZER,
+            template="chatml",
+            cache_dir=str(tmp_path / "cache"),
+            progress=False,
+        )
+        text.setup()  # no trainer, nothing fed: a text model
+        assert not isinstance(text.train_split.packs[0], mm.VisionPack)
+        trained = _datamodule(path, tmp_path / "cache", images=False)
+        trained.trainer = SimpleNamespace(lightning_module=_Model(reads_images=True))  # the trainer's module wins
+        assert trained.model_reads_images
+
+    def test_image_settings_for_a_text_model_are_refused(self, tmp_path):
+        path = _write(tmp_path / "d.jsonl", [_record(question="hi")] * 2)
+        with pytest.raises(DataError, match="data.image_processor: the model reads no images"):
+            _datamodule(path, tmp_path / "cache", images=False).setup()
 
     def test_text_only_packs_have_no_image_extras(self, tmp_path):
         path = _write(tmp_path / "d.jsonl", [_record(question="hi")] * 2)

@@ -99,6 +99,30 @@ class TestRegistry:
         assert len(ALIASES) >= 12
 
 
+class TestConfigTraits:
+    """Every family answers the traits code reads (no ``getattr`` with a default): the value of a family without the
+    feature, or the field of the family that has it."""
+
+    @pytest.mark.parametrize("model_type", sorted(MODEL_TYPES))
+    def test_every_family_declares_them(self, model_type):
+        config = MODEL_TYPES[model_type]()
+        fields = {f.name for f in dataclasses.fields(config)}
+        language = config.language_config
+        assert config.mtp_layers == (config.mtp_layers if "mtp_layers" in fields else 0) == language.mtp_layers
+        assert isinstance(config.router_aux_loss_coef, float)
+        assert config.per_layer_fields == tuple(f for f in ("layer_types",) if f in fields)
+        assert (language is config) != config.vision_language
+        assert language.language_config is language and not language.vision_language
+
+    def test_a_field_of_the_family_is_the_trait(self):
+        assert MODEL_TYPES["deepseek_v3"](mtp_layers=1).mtp_layers == 1
+        assert MODEL_TYPES["qwen3_moe"](router_aux_loss_coef=0.01).router_aux_loss_coef == 0.01
+        assert MODEL_TYPES["qwen3"]().router_aux_loss_coef == 0.0 == MODEL_TYPES["deepseek_v3"]().router_aux_loss_coef
+        vlm = MODEL_TYPES["qwen3_vl_moe"]()
+        assert vlm.language_config is vlm.text_config and vlm.text_config.router_aux_loss_coef == 0.001
+        assert vlm.router_aux_loss_coef == 0.0  # the balance loss of a vision-language model is routing's to set
+
+
 class TestModelsDoc:
     def test_docs_list_exactly_the_registered_models(self):
         text = DOCS.read_text().split("## Released sizes", 1)[1].split("\n## ", 1)[0]

@@ -131,8 +131,11 @@ class LoRA(pl.Callback, ModelTransform):
                 "set model.init_args.model_overrides.fused_projections: false"
             )
         model.requires_grad_(False)
+        head = model.text_model().lm_head
         targets = [
-            (name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear) and self._is_target(model, name)
+            (name, m)
+            for name, m in model.named_modules()
+            if isinstance(m, nn.Linear) and self._is_target(model, name, m is head)
         ]
         if not targets:
             linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)})
@@ -242,10 +245,10 @@ class LoRA(pl.Callback, ModelTransform):
         if config.get("init_lora_weights") == "gaussian":
             self.init = "gaussian"
 
-    def _is_target(self, model: BaseModel, name: str) -> bool:
+    def _is_target(self, model: BaseModel, name: str, is_head: bool) -> bool:
         if self._peft_targets is None:
             return self.matches(name)
-        if self._peft_targets == "all-linear" and name.rsplit(".", 1)[-1] == "lm_head":  # PEFT skips the output
+        if self._peft_targets == "all-linear" and is_head:  # PEFT skips the output layer
             return False
         try:
             path = hf_module_path(model, name)

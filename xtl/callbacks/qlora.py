@@ -61,5 +61,6 @@ class QLoRA(pl.Callback, ModelTransform):
 
     def after_weights(self, model: BaseModel) -> BaseModel:
         """Store the loaded frozen base weights in NF4 (:func:`xtl.module.nf4.quantize_base_weights`)."""
-        rank_zero_info(quantize_base_weights(model, self.quantize_all_linear))
+        head = model.text_model().lm_head
+        rank_zero_info(quantize_base_weights(model, self.quantize_all_linear, head))
         return model

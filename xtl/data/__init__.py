@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from xtl.data.cache import DEFAULT_CACHE_DIR, TokenizedCache, build_cache, cache_key, load_cache
 from xtl.data.collate import MicroBatch, StepCollator, collate_pack
+from xtl.data.consumer import DataConsumer
 from xtl.data.dataset import MixedDataset
 from xtl.data.item import IGNORE_INDEX, DataError, DataFileNotFoundError, DataItem
 from xtl.data.loader import ResumableDataLoader
@@ -42,6 +43,7 @@ __all__ = [
     "TEMPLATES",
     "ChatTemplate",
     "ChatTokenizeFn",
+    "DataConsumer",
     "DataError",
     "DataFileNotFoundError",
     "DataItem",

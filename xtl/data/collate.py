@@ -9,6 +9,7 @@ import torch
 
 from xtl.batch import SequenceContext
 from xtl.data.item import IGNORE_INDEX
+from xtl.data.multimodal import VisionPack
 from xtl.data.packing import Pack
 
 
@@ -116,9 +117,8 @@ def collate_pack(pack: Pack, pad_token_id: int = 0, pad_to: int | None = None) -
         lengths.append(num_padding)
     input_ids = torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64)).unsqueeze(0)
     ctx = SequenceContext.from_lengths(input_ids, lengths, num_padding=num_padding)
-    extras = getattr(pack, "extras", None)  # a VisionPack's images (xtl.data.multimodal)
-    if extras:
-        ctx.extras = dict(extras)
+    if isinstance(pack, VisionPack) and pack.extras:  # the pack's processed images
+        ctx.extras = dict(pack.extras)
     supervised = np.flatnonzero(shifted != IGNORE_INDEX)
     rows = loss_rows(supervised, shifted.size)
     if rows is not None:  # the head and loss then run on these positions only

@@ -16,6 +16,7 @@ import xxhash
 
 from xtl.data.cache import DEFAULT_CACHE_DIR, TokenizedCache, build_cache
 from xtl.data.collate import StepCollator
+from xtl.data.consumer import DataConsumer
 from xtl.data.dataset import MixedDataset
 from xtl.data.item import DataError
 from xtl.data.loader import ResumableDataLoader
@@ -116,9 +117,11 @@ class XTLDataModule(pl.LightningDataModule):
         predict_batch_size (int): Prompts decoded together by ``predict``.
         predict_output (str | None): Where ``predict`` writes its JSONL (default
             ``<trainer.default_root_dir>/predictions.jsonl``).
-        image_processor (dict | None): Image settings (:class:`xtl.data.multimodal.ImageProcessorConfig` fields:
-            ``patch_size``, ``merge_size``, ``min_pixels``, ``max_pixels``, ...). When set, ``kind: chat`` sources
-            may hold image content parts (``docs/data.md``, "Images").
+        image_processor (dict | None): Image settings of a vision-language model
+            (:class:`xtl.data.multimodal.ImageProcessorConfig` fields: ``patch_size``, ``merge_size``, ``min_pixels``,
+            ``max_pixels``, ...; default: that class's defaults). Whether the data holds images is the model's to say
+            (:attr:`model_reads_images`): for such a model ``kind: chat`` sources may hold image content parts
+            (``docs/data.md``, "Images"); for a text model this setting is refused.
         persistent_workers (bool): With workers, keep them alive between epochs and validation runs instead of
             forking new ones each time. Resume is unaffected: the loader saves the packs handed to the step
             (``consumed_samples``), never what the workers prefetched.
@@ -196,6 +199,7 @@ class XTLDataModule(pl.LightningDataModule):
         self.predict_output = predict_output
         self.image_processor = image_processor
         self._image_indexes: dict[Path, Any] = {}
+        self._consumer: DataConsumer | None = None
         self.sampler_order = sampler
         self.pack_preset = pack_preset
         self.sampler_preset = sampler_preset
@@ -414,6 +418,26 @@ class XTLDataModule(pl.LightningDataModule):
         """
         self._data_parallel = (rank, size)
 
+    def feed(self, consumer: DataConsumer) -> None:
+        """Name the module whose model this data module feeds when it runs without a trainer (under a trainer it
+        asks the trainer's module)."""
+        self._consumer = consumer
+
+    @property
+    def model_reads_images(self) -> bool:
+        """Whether the model fed reads images (:attr:`DataConsumer.reads_images` of the trainer's module, or of the
+        module given to :meth:`feed`; a text model without either): its ``kind: chat`` sources then tokenize with
+        image placeholders (``vlm_chat``) and its packs carry the processed images.
+
+        Raises:
+            DataError: ``image_processor`` is set for a model that reads no images.
+        """
+        module = self.trainer.lightning_module if self.trainer is not None else self._consumer
+        images = isinstance(module, DataConsumer) and module.reads_images
+        if self.image_processor is not None and not images:
+            raise DataError("data.image_processor: the model reads no images (a text model); remove image_processor")
+        return images
+
     def data_parallel_rank(self) -> tuple[int, int]:
         """``(rank, world_size)`` of data parallelism: the constructor's overrides, else what the training module
         passed (:meth:`use_data_parallel`), else each of the trainer's processes reads its own share (a module that
@@ -506,7 +530,7 @@ class XTLDataModule(pl.LightningDataModule):
     def _build_cache(self, spec: SourceSpec, resolved: SourceSpec) -> TokenizedCache:
         tokenizer = self.load_tokenizer()
         source = open_source(resolved, hf_cache_dir=self.cache_dir / "hf", hash_memo=self._hash_memo)
-        kind = "vlm_chat" if self.image_processor is not None and spec.kind == "chat" else spec.kind
+        kind = "vlm_chat" if spec.kind == "chat" and self.model_reads_images else spec.kind
         fn = build_tokenize_fn(
             kind,
             tokenizer,
@@ -562,7 +586,7 @@ class XTLDataModule(pl.LightningDataModule):
         else:
             raise DataError(f"unknown packing {packing!r}; use best_fit, hard or preset")
         packs = PackedDataset(data, plan)
-        if self.image_processor is not None:
+        if self.model_reads_images:
             packs = self._vision_packs(packs, caches)
         dropped = sum(self.dropped_rows.get(_resolve(s.path), 0) for s in specs) if pairs else 0
         return PackedSplit(data, plan, packs, pairs=pairs, dropped_rows=dropped, key=plan_key)
@@ -621,7 +645,8 @@ class XTLDataModule(pl.LightningDataModule):
 
         indexes = [self._image_indexes.get(c.directory) or [SampleImages(str(c.directory))] * len(c) for c in caches]
         image_token_id = int(self.load_tokenizer().convert_tokens_to_ids(IMAGE_TOKEN))
-        return VisionPackedDataset(packs, indexes, ImageProcessorConfig.from_any(self.image_processor), image_token_id)
+        settings = ImageProcessorConfig.from_any(self.image_processor) or ImageProcessorConfig()
+        return VisionPackedDataset(packs, indexes, settings, image_token_id)
 
     def _eval_loaders(self, splits: dict[str, PackedSplit]) -> list[torch.utils.data.DataLoader]:
         rank, world = self.data_parallel_rank()

@@ -10,7 +10,7 @@ import importlib
 from typing import Any
 
 from xtl.batch import ModelOutput, SequenceContext
-from xtl.model.base import BaseModel
+from xtl.model.base import BaseModel, TextModel
 from xtl.model.config import TransformerConfig
 from xtl.model.hf.errors import CheckpointMismatchError
 from xtl.model.registry import (
@@ -43,6 +43,7 @@ __all__ = [
     "CheckpointMismatchError",
     "ModelOutput",
     "SequenceContext",
+    "TextModel",
     "TransformerConfig",
     "alias_names",
     "get_model_config",

@@ -18,21 +18,28 @@ from xtl.model.hf.format import DEFAULT_MAX_SHARD_SIZE
 from xtl.model.hf.model_io import copy_into, load_hf_weights, save_hf_weights
 from xtl.module.moe_block import MoEBlock
 from xtl.module.norm import RMSNorm
+from xtl.module.traits import AdapterModule, FusesProjections, KeepsFp32, SelfInitializing
 
 
 class BaseModel(nn.Module, ABC):
     """Checkpoint I/O, initialization and sharding shared by all model families.
 
-    Subclasses implement :meth:`forward` and :meth:`decoder_layers` (abstract: a family that lacks one cannot be
-    built) and may override :meth:`to_hf_key_list`, :meth:`hf_to_param` and
-    :meth:`param_to_hf` (tensor-layout hooks for HF tensors that differ by more than a name).
+    Subclasses implement :meth:`forward`, :meth:`decoder_layers` and :meth:`text_model` (abstract: a family that
+    lacks one cannot be built) and may override :meth:`to_hf_key_list`, :meth:`hf_to_param` and
+    :meth:`param_to_hf` (tensor-layout hooks for HF tensors that differ by more than a name) and
+    :meth:`ignorable_hf_key`.
+
+    Attributes:
+        config: The model's config.
     """
+
+    config: TransformerConfig
 
     def __init__(self, config: TransformerConfig) -> None:
         super().__init__()
         self.config = config
         self._hf_path: Path | None = None
-        self._hf_dtypes: dict[str, torch.dtype] = {}  # HF key -> dtype in the checkpoint loaded by from_hf
+        self.hf_dtypes: dict[str, torch.dtype] = {}  # HF key -> dtype in the checkpoint loaded by from_hf
 
     @abstractmethod
     def forward(self, *args: Any, **kwargs: Any) -> ModelOutput:
@@ -85,9 +92,10 @@ class BaseModel(nn.Module, ABC):
         """The parts of a fused projection's parameter ``key``: ``(unfused xtl key, rows)`` each, in row order;
         empty for any other key.
 
-        A module declares its fused projections in a ``fused_parts`` dict, ``{child: ((part, rows), ...)}``
-        (e.g. ``qkv_proj`` of ``q_proj``, ``k_proj`` and ``v_proj``): ``layers.0.self_attn.qkv_proj.weight`` is
-        ``layers.0.self_attn.q_proj.weight`` and so on, stacked on dim 0.
+        A module declares its fused projections as a :class:`~xtl.module.traits.FusesProjections`, in its
+        ``fused_parts`` dict, ``{child: ((part, rows), ...)}`` (e.g. ``qkv_proj`` of ``q_proj``, ``k_proj`` and
+        ``v_proj``): ``layers.0.self_attn.qkv_proj.weight`` is ``layers.0.self_attn.q_proj.weight`` and so on,
+        stacked on dim 0.
         """
         owner_path, _, rest = key.rpartition(".")
         owner_path, _, child = owner_path.rpartition(".")
@@ -95,7 +103,7 @@ class BaseModel(nn.Module, ABC):
             owner = self.get_submodule(owner_path) if owner_path else self
         except AttributeError:
             return ()
-        parts = getattr(owner, "fused_parts", None) or {}
+        parts = owner.fused_parts if isinstance(owner, FusesProjections) else {}
         if child not in parts:
             return ()
         prefix = f"{owner_path}." if owner_path else ""
@@ -117,8 +125,8 @@ class BaseModel(nn.Module, ABC):
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         """The parameters and persistent buffers that map to HF keys (tied parameters once).
 
-        Parameters of adapter modules (``is_adapter``, e.g. LoRA factors) are not part of the HF model: see
-        :meth:`adapter_tensors`.
+        Parameters of adapter modules (:class:`~xtl.module.traits.AdapterModule`, e.g. LoRA factors) are not part
+        of the HF model: see :meth:`adapter_tensors`.
         """
         adapters = self.adapter_tensors()
         tensors: dict[str, torch.Tensor] = {k: v for k, v in self.named_parameters() if k not in adapters}
@@ -131,12 +139,12 @@ class BaseModel(nn.Module, ABC):
         return tensors
 
     def adapter_tensors(self) -> dict[str, torch.Tensor]:
-        """Parameters of adapter modules (``is_adapter``): xtl-only weights with no HF key, initialized by their
-        modules' ``init_param`` after every load or initialization of the model."""
+        """Parameters of adapter modules (:class:`~xtl.module.traits.AdapterModule`): xtl-only weights with no HF
+        key, initialized by their modules' ``init_param`` after every load or initialization of the model."""
         return {
             f"{prefix}.{name}" if prefix else name: param
             for prefix, module in self.named_modules()
-            if getattr(module, "is_adapter", False)
+            if isinstance(module, AdapterModule)
             for name, param in module.named_parameters(recurse=False)
         }
 
@@ -171,7 +179,9 @@ class BaseModel(nn.Module, ABC):
     def tie_weights(self) -> None:
         """Re-establish parameter sharing that ``to_empty`` breaks (no-op unless a family ties weights)."""
 
-    def _ignorable_hf_key(self, key: str) -> bool:
+    def ignorable_hf_key(self, key: str) -> bool:
+        """Whether the checkpoint key ``key``, which no parameter of the model reads, may be left unread (rotary
+        buffers, a tied head's own copy)."""
         return key.endswith("rotary_emb.inv_freq") or (self.config.tie_word_embeddings and key == "lm_head.weight")
 
     # ---- saving ---------------------------------------------------------------------------------------------
@@ -195,7 +205,7 @@ class BaseModel(nn.Module, ABC):
             max_shard_size: Upper bound per shard with a unit, e.g. ``"5GB"`` or ``"4GiB"``.
             dtype: Cast floating-point tensors to this dtype (default: each tensor loaded by :meth:`from_hf` in
                 the dtype its checkpoint stored it in; the others in the config's ``dtype`` if set, else their
-                parameter's dtype). Tensors a module declares in its ``keep_fp32`` attribute are written in fp32
+                parameter's dtype). Tensors a module declares fp32 (:meth:`keep_fp32_names`) are written in fp32
                 unless their source checkpoint stored them otherwise.
             fp8: ``"blockwise"`` writes the large linear weights as 128x128 block-quantized fp8 with
                 ``_scale_inv`` scales and a ``quantization_config`` (the format of ``xtl convert to-fp8``).
@@ -215,12 +225,14 @@ class BaseModel(nn.Module, ABC):
             token_ids=token_ids,
         )
 
-    def _keep_fp32_names(self) -> set[str]:
-        """Checkpoint names that modules declare fp32 whatever the model dtype (``keep_fp32`` attribute names)."""
+    def keep_fp32_names(self) -> set[str]:
+        """Checkpoint names that modules declare fp32 whatever the model dtype (the ``keep_fp32`` names of each
+        :class:`~xtl.module.traits.KeepsFp32`)."""
         return {
             f"{prefix}.{attr}" if prefix else attr
             for prefix, module in self.named_modules()
-            for attr in getattr(module, "keep_fp32", ())
+            if isinstance(module, KeepsFp32)
+            for attr in module.keep_fp32
         }
 
     # ---- init and sharding ----------------------------------------------------------------------------------
@@ -228,15 +240,15 @@ class BaseModel(nn.Module, ABC):
     def init_weights(self) -> None:
         """Initialize every weight (normal(0, initializer_range) for matrices, zeros for biases, ones for norms).
 
-        A module with an ``init_param(attr, tensor, std)`` method initializes its own parameters. A model built
-        on ``meta`` is materialized on CPU first.
+        A :class:`~xtl.module.traits.SelfInitializing` module initializes its own parameters. A model built on
+        ``meta`` is materialized on CPU first.
         """
         if any(t.is_meta for t in self.checkpoint_tensors().values()):
             self.materialize("cpu")
-        self._init_named([*self.checkpoint_tensors(), *self.adapter_tensors()])
+        self.init_tensors([*self.checkpoint_tensors(), *self.adapter_tensors()])
 
     @torch.no_grad()
-    def _init_named(self, names: list[str]) -> None:
+    def init_tensors(self, names: list[str]) -> None:
         """Initialize each named tensor from its own seed (base seed x name), on a full CPU copy.
 
         The values are therefore independent of initialization order and of how parameters are sharded: a model
@@ -244,6 +256,10 @@ class BaseModel(nn.Module, ABC):
 
         A fused projection's parameter is initialized part by part, each part from its own (unfused) name, so a
         model with ``fused_projections`` starts from the very weights of the model without.
+
+        Args:
+            names: Names of :meth:`checkpoint_tensors` or :meth:`adapter_tensors` (e.g. the ones a checkpoint
+                lacks, and the adapters, after a load).
         """
         modules = dict(self.named_modules())
         tensors = {**self.checkpoint_tensors(), **self.adapter_tensors()}
@@ -266,7 +282,7 @@ class BaseModel(nn.Module, ABC):
         std = self.config.initializer_range
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed((torch.initial_seed() + zlib.crc32(name.encode())) % 2**63)
-            if hasattr(module, "init_param"):
+            if isinstance(module, SelfInitializing):
                 module.init_param(attr, full, std)
             elif isinstance(module, RMSNorm):
                 full.fill_(1.0)
@@ -302,17 +318,15 @@ class BaseModel(nn.Module, ABC):
         vision = self.vision_blocks()
         return {**({"vision": vision} if vision is not None else {}), "language": self.decoder_layers()}
 
-    def text_model(self) -> nn.Module:
-        """The language-model body: embedding, decoder layers, final norm and the head with its ``head_loss``."""
-        return self
+    @abstractmethod
+    def text_model(self) -> TextModel:
+        """The language-model body (the model itself for a text model): embedding, decoder layers, final norm and
+        the head with its ``head_loss``, by type (:class:`TextModel`)."""
 
     def fp32_modules(self) -> list[nn.Module]:
         """Modules that keep parameters in fp32 whatever the training dtype (their ``keep_fp32`` names)."""
-        return [
-            module
-            for module in self.modules()
-            if any(isinstance(getattr(module, name, None), nn.Parameter) for name in getattr(module, "keep_fp32", ()))
-        ]
+        kept = [module for module in self.modules() if isinstance(module, KeepsFp32)]
+        return [m for m in kept if any(isinstance(getattr(m, name), nn.Parameter) for name in m.keep_fp32)]
 
     def shard_units(self) -> list[nn.Module]:
         """The modules a sharding strategy wraps one by one before the root: every block of :meth:`layer_stacks`.
@@ -365,10 +379,43 @@ class BaseModel(nn.Module, ABC):
         return self._hf_path
 
 
-__all__ = ["BaseModel"]
+class TextModel(BaseModel):
+    """A decoder-only language model: what every family's :meth:`BaseModel.text_model` returns, its parts by type.
+
+    Code that needs the embedding, the final norm or the head takes them from here and recognizes them by identity
+    (``module is model.text_model().lm_head``), never by their names.
+
+    Attributes:
+        embed_tokens: The input embedding.
+        layers: The decoder layers (:meth:`decoder_layers`).
+        norm: The final norm.
+        lm_head: The output head (its weight is ``embed_tokens.weight`` when the config ties them).
+    """
+
+    embed_tokens: nn.Embedding
+    layers: nn.ModuleList
+    norm: nn.Module
+    lm_head: nn.Linear
+
+    def decoder_layers(self) -> nn.ModuleList:
+        """``layers``."""
+        return self.layers
+
+    def text_model(self) -> TextModel:
+        """The model itself."""
+        return self
+
+    @abstractmethod
+    def head_loss(
+        self, hidden: torch.Tensor, targets: torch.Tensor | None, return_logits: bool
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """LM head and loss of final hidden states: ``(logits, loss, loss_sum, num_tokens)``."""
+
+
+__all__ = ["BaseModel", "TextModel"]
 
 
 def has_fused_projections(model: nn.Module) -> bool:
-    """Whether a module of ``model`` fuses projections (declares ``fused_parts``; see
-    :meth:`BaseModel.fused_param_parts`)."""
-    return any(getattr(module, "fused_parts", None) for module in model.modules())
+    """Whether a module of ``model`` fuses projections (a :class:`~xtl.module.traits.FusesProjections` with
+    ``fused_parts``; see :meth:`BaseModel.fused_param_parts`)."""
+    return any(isinstance(module, FusesProjections) and module.fused_parts for module in model.modules())

@@ -41,6 +41,7 @@ class TransformerConfig:
     hf_architecture: ClassVar[str]
     routed_experts: ClassVar[bool] = False  # the family has mixture-of-experts layers
     vision_language: ClassVar[bool] = False  # the family has a vision tower
+    per_layer_fields: ClassVar[tuple[str, ...]] = ()  # fields with one entry per decoder layer (e.g. layer_types)
 
     vocab_size: int = 32000
     hidden_size: int = 4096
@@ -82,6 +83,24 @@ class TransformerConfig:
     def resolved_head_dim(self) -> int:
         """``head_dim`` or ``hidden_size // num_attention_heads``."""
         return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    # Traits every family has, with the value of a family that lacks the feature; a family with it declares a field
+    # of the same name (DeepSeek-V3's ``mtp_layers``, Qwen3-MoE's ``router_aux_loss_coef``).
+
+    @property
+    def mtp_layers(self) -> int:
+        """Multi-token-prediction depths the model builds and trains (0: none)."""
+        return 0
+
+    @property
+    def router_aux_loss_coef(self) -> float:
+        """Weight of the routers' load-balancing loss when ``routing.balance_loss_coef`` is unset (0: none)."""
+        return 0.0
+
+    @property
+    def language_config(self) -> TransformerConfig:
+        """The config of the language model: this one (a vision-language config returns its ``text_config``)."""
+        return self
 
     @classmethod
     def from_hf(cls, hf_path: str | Path) -> TransformerConfig:

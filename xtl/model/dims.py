@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from xtl.model.compose.config import Qwen3VLConfig, Qwen3VLVisionConfig
     from xtl.model.dense.config import DenseConfig
 
 
@@ -104,7 +105,7 @@ class ModelDims:
         Returns:
             The dimensions.
         """
-        config = getattr(config, "text_config", None) or config
+        config = config.language_config
         windows = tuple(config.layer_sliding_window(i) for i in range(config.num_hidden_layers))
         return cls(
             vocab_size=config.vocab_size,
@@ -121,7 +122,7 @@ class ModelDims:
             attention_sinks=config.attention_sinks,
             mlp_bias=config.mlp_bias,
             sliding_windows=windows if any(w is not None for w in windows) else (),
-            mtp_layers=int(getattr(config, "mtp_layers", 0) or 0),
+            mtp_layers=config.mtp_layers,
             name=name or type(config).__name__,
             **_mla_fields(config),
             **_moe_fields(config),
@@ -327,10 +328,12 @@ class VisionDims:
     num_mergers: int
 
     @classmethod
-    def from_config(cls, config: object) -> VisionDims:
+    def from_config(cls, config: Qwen3VLVisionConfig | Qwen3VLConfig) -> VisionDims:
         """Read a vision config (:class:`xtl.model.compose.Qwen3VLVisionConfig`, or a VLM config's
         ``vision_config``)."""
-        c = getattr(config, "vision_config", None) or config
+        from xtl.model.compose.config import Qwen3VLConfig
+
+        c = config.vision_config if isinstance(config, Qwen3VLConfig) else config
         return cls(
             depth=c.depth,
             hidden_size=c.hidden_size,
@@ -374,7 +377,7 @@ def _mla_fields(config: DenseConfig) -> dict[str, int]:
 def _moe_fields(config: DenseConfig) -> dict[str, int | bool | tuple[int, ...]]:
     """Expert dimensions of an MoE family config with at least one MoE layer (none otherwise); MTP depths count as
     layers after the last one."""
-    depths = int(getattr(config, "mtp_layers", 0) or 0)
+    depths = config.mtp_layers
     moe_layers = tuple(filter(config.is_moe_layer, range(config.num_hidden_layers + depths)))
     if not moe_layers:
         return {}

@@ -7,13 +7,14 @@ from torch import nn
 
 from xtl.module.kv_cache import NO_LAYER_KV_CACHE, LayerKVCache
 from xtl.module.norm import RMSNorm
+from xtl.module.traits import FusesProjections
 from xtl.ops.attention import AttentionMaskSpec
 from xtl.ops.fused_linear import get_fused_projection_fn
 from xtl.ops.rope import get_rope_fn
 from xtl.ops.ulysses import ContextParallelAttention
 
 
-class MultiHeadAttention(ContextParallelAttention, nn.Module):
+class MultiHeadAttention(ContextParallelAttention, FusesProjections, nn.Module):
     """GQA attention with optional per-head q/k RMSNorm (Qwen3), qkv bias (Qwen2) and a sliding window.
 
     Args:

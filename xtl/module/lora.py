@@ -19,14 +19,16 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from xtl.module.traits import AdapterModule
+
 LORA_INITS = ("kaiming", "gaussian")
 
 
-class LoRAProjection(nn.Linear):
+class LoRAProjection(AdapterModule, nn.Linear):
     """One factor of an adapter (``lora_A`` or ``lora_B``): a bias-free linear layer with no HF key.
 
-    ``is_adapter`` tells the model's checkpoint code that these weights are not part of the HF model: they are
-    neither loaded from nor written to HF safetensors, and they initialize themselves through :meth:`init_param`.
+    An :class:`~xtl.module.traits.AdapterModule`: these weights are not part of the HF model; they are neither
+    loaded from nor written to HF safetensors, and they initialize themselves through :meth:`init_param`.
 
     Args:
         in_features: Input width.
@@ -34,8 +36,6 @@ class LoRAProjection(nn.Linear):
         role: ``"A"`` (down projection, random init) or ``"B"`` (up projection, zeros).
         init: ``kaiming`` (PEFT's default: Kaiming-uniform ``A``) or ``gaussian`` (``A ~ N(0, 1/r)``).
     """
-
-    is_adapter = True
 
     def __init__(self, in_features: int, out_features: int, role: str, init: str = "kaiming", **kwargs: Any) -> None:
         super().__init__(in_features, out_features, bias=False, **kwargs)
@@ -81,10 +81,16 @@ def add_lora(
 
 
 def lora_layers(model: nn.Module) -> Iterator[tuple[str, nn.Linear]]:
-    """``(name, layer)`` of every adapted layer of ``model``."""
+    """``(name, layer)`` of every adapted layer of ``model``: the modules whose children include adapter factors."""
     for name, module in model.named_modules():
-        if isinstance(getattr(module, "lora_A", None), LoRAProjection):
+        if lora_factors(module):
             yield name, module
+
+
+def lora_factors(layer: nn.Module) -> dict[str, LoRAProjection]:
+    """The adapter factors of ``layer`` by child name (``{"lora_A": ..., "lora_B": ...}``, PEFT's key parts; empty
+    for a layer without an adapter)."""
+    return {name: child for name, child in layer.named_children() if isinstance(child, LoRAProjection)}
 
 
 @contextmanager

@@ -56,6 +56,7 @@ class MultiLatentAttention(ContextParallelAttention, nn.Module):
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_heads  # the latent expands to one key/value head per query head
+        self.q_lora_rank = q_lora_rank
         self.kv_lora_rank = kv_lora_rank
         self.qk_nope_head_dim = qk_nope_head_dim
         self.qk_rope_head_dim = qk_rope_head_dim
@@ -89,7 +90,7 @@ class MultiLatentAttention(ContextParallelAttention, nn.Module):
         cached one to attend over.
         """
         batch, seq_len = hidden_states.shape[:-1]
-        if hasattr(self, "q_proj"):
+        if self.q_lora_rank is None:
             q = self.q_proj(hidden_states)
         else:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))

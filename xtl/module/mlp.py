@@ -6,10 +6,11 @@ import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
+from xtl.module.traits import FusesProjections
 from xtl.ops.fused_linear import get_fused_projection_fn
 
 
-class GatedMLP(nn.Module):
+class GatedMLP(FusesProjections, nn.Module):
     """``down(act(gate(x)) * up(x))`` — SwiGLU with ``hidden_act='silu'``.
 
     Args:

@@ -19,6 +19,7 @@ torchao requires the element count of a weight to be a multiple of ``BLOCK_SIZE 
 
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING
 
 import torch
@@ -44,8 +45,11 @@ def _torchao_nf4() -> tuple[type, object]:
 
 
 def is_nf4(tensor: torch.Tensor | None) -> bool:
-    """Whether ``tensor`` is an NF4-quantized tensor (torchao's ``NF4Tensor``), without importing torchao."""
-    return tensor is not None and type(tensor).__name__ == "NF4Tensor"
+    """Whether ``tensor`` is an NF4-quantized tensor (torchao's ``NF4Tensor``), without importing torchao: before
+    torchao's quantization package is imported no such tensor exists."""
+    if tensor is None or "torchao.quantization" not in sys.modules:
+        return False
+    return isinstance(tensor, _torchao_nf4()[0])
 
 
 def nf4_incompatibility(layer: nn.Module) -> str | None:
@@ -165,29 +169,31 @@ def quantize_frozen_linears(model: nn.Module, layers: list[tuple[str, nn.Linear]
     return quantized, skipped
 
 
-def quantize_base_weights(model: nn.Module, all_linear: bool = False) -> str:
+def quantize_base_weights(model: nn.Module, all_linear: bool = False, head: nn.Module | None = None) -> str:
     """QLoRA: store the frozen base weights of the adapted layers (``all_linear``: of every frozen linear layer but
     the LM head) in NF4; layers whose shape NF4 cannot store stay in their dtype.
 
     Args:
         model: A loaded model with LoRA adapters (:mod:`xtl.module.lora`).
         all_linear: Quantize every frozen ``nn.Linear`` except the LM head, adapted or not (adapter factors never).
+        head: The model's LM head (``BaseModel.text_model().lm_head``), which ``all_linear`` leaves out.
 
     Returns:
         A one-line summary to log (what was quantized, what was left and why).
 
     Raises:
         ConfigError: No layer qualifies, a chosen weight trains, or the weights are sharded.
+        ValueError: ``all_linear`` without the ``head``.
     """
     from xtl.module.lora import LoRAProjection, lora_layers
 
     if all_linear:
+        if head is None:
+            raise ValueError("quantize_base_weights(all_linear=True) needs the model's head, to leave it out")
         layers = [
             (name, module)
             for name, module in model.named_modules()
-            if isinstance(module, nn.Linear)
-            and not isinstance(module, LoRAProjection)
-            and name.rsplit(".", 1)[-1] != "lm_head"
+            if isinstance(module, nn.Linear) and not isinstance(module, LoRAProjection) and module is not head
         ]
     else:
         layers = list(lora_layers(model))

@@ -39,3 +39,8 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}"
+
+
+# Every norm class xtl's models build (Fp32ScaleRMSNorm is an RMSNorm, the vision tower's LayerNorm an
+# nn.LayerNorm): code that treats norm weights apart (no weight decay) recognizes them by these types.
+NORM_TYPES: tuple[type[nn.Module], ...] = (RMSNorm, nn.LayerNorm)

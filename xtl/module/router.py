@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from xtl.module.traits import KeepsFp32
 from xtl.ops.moe_routing import get_router_logits_fn, router_logits_fp32
 
 
@@ -137,7 +138,7 @@ class TopKSoftmaxRouter(Router):
         return RouterOutput(logits=routing.logits, probs=routing.probs, topk_ids=topk_ids, topk_weights=weights)
 
 
-class NoAuxTopKRouter(Router):
+class NoAuxTopKRouter(KeepsFp32, Router):
     """DeepSeek-V3 routing: sigmoid scores, correction bias for the choice only, group-limited top-k.
 
     Experts are split into ``n_group`` groups; a group's score is the sum of its two best biased scores; only the

@@ -13,10 +13,11 @@ from torch import nn
 from transformers.activations import ACT2FN
 from transformers.vision_utils import get_vision_interpolation_indices_and_weights, get_vision_position_ids
 
+from xtl.module.traits import SelfInitializing
 from xtl.ops.vision import apply_rotary_pos_emb_vision, get_patch_embed_fn, get_vision_attn_fn
 
 
-class LayerNorm(nn.LayerNorm):
+class LayerNorm(SelfInitializing, nn.LayerNorm):
     """``nn.LayerNorm`` that initializes itself (ones / zeros) under :meth:`xtl.model.base.BaseModel.init_weights`."""
 
     def init_param(self, attr: str, tensor: torch.Tensor, std: float) -> None:

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_info
 
+from xtl.data import XTLDataModule
 from xtl.errors import ConfigError
 from xtl.model import ModelOutput
 from xtl.rl.buffer import Group, ProduceStats, ReplayBuffer, Sample, SampleState, produce_batch
@@ -134,10 +135,10 @@ class GRPOModule(LanguageModule):
     def setup(self, stage: str) -> None:
         """Refuse what RL cannot run: data that is not prompts, models with images."""
         super().setup(stage)
-        if self.family.name.startswith("vision"):
+        if self.family.vision:
             raise ConfigError("GRPOModule trains text models; a vision-language policy is not supported yet")
-        datamodule = getattr(self._trainer, "datamodule", None)
-        if datamodule is not None and getattr(datamodule, "prompts", None) is None:
+        datamodule = self._trainer.datamodule if self._trainer is not None else None
+        if not isinstance(datamodule, XTLDataModule) or datamodule.prompts is None:
             raise ConfigError(
                 "GRPOModule draws prompts from kind: prompt sources (rows with a prompt and an answer): set "
                 "data.sources[*].kind: prompt"
@@ -229,7 +230,8 @@ class GRPOModule(LanguageModule):
 
     def on_validation_epoch_end(self) -> None:
         """Log ``val/reward`` and ``val/exact_match`` (``val/<set>/...`` with several sets)."""
-        names = getattr(self.trainer.datamodule, "val_set_names", [])
+        datamodule = self.trainer.datamodule
+        names = datamodule.val_set_names if isinstance(datamodule, XTLDataModule) else []
         for idx, (reward, exact, count) in sorted(self._eval.items()):
             prefix = "val" if len(self._eval) == 1 else f"val/{names[idx] if idx < len(names) else idx}"
             self.log(f"{prefix}/reward", reward / max(count, 1), prog_bar=True)

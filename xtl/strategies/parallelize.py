@@ -30,7 +30,7 @@ from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, replace
 from enum import IntEnum
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 
@@ -311,7 +311,10 @@ class ShardedStrategyMixin(ParallelizingStrategy):
 
     def set_gradient_sync(self, model: BaseModel, enabled: bool) -> None:
         """FSDP2 ``set_requires_gradient_sync``: reduce-scatter only after the step's last micro-batch."""
-        model.set_requires_gradient_sync(enabled)
+        from torch.distributed.fsdp import FSDPModule
+
+        sharded = cast(FSDPModule, model)  # apply_data_parallel made the model an FSDPModule
+        sharded.set_requires_gradient_sync(enabled)
 
 
 def fully_shard_model(model: BaseModel, **fsdp_kwargs: Any) -> BaseModel:

@@ -458,12 +458,18 @@ class _SwiGLUFn(torch.autograd.Function):
 
 
 def _install_fused_ops(model: torch.nn.Module) -> None:
+    """Route the norms and gated MLPs of an xtl model or of transformers' Qwen3 through the autograd functions
+    above."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm
+
+    from xtl.module.mlp import GatedMLP
+    from xtl.module.norm import RMSNorm
+
     for module in model.modules():
-        name = type(module).__name__
-        if name.endswith("RMSNorm"):
-            eps = module.variance_epsilon if hasattr(module, "variance_epsilon") else module.eps  # HF / xtl
+        if isinstance(module, (RMSNorm, Qwen3RMSNorm)):
+            eps = module.eps if isinstance(module, RMSNorm) else module.variance_epsilon
             module.forward = functools.partial(_rms_norm, module, eps)
-        elif name.endswith("MLP"):
+        elif isinstance(module, (GatedMLP, Qwen3MLP)):
             module.forward = lambda x, m=module: m.down_proj(_SwiGLUFn.apply(*_gate_up(m, x)))
 
 
@@ -480,7 +486,9 @@ def _rms_norm(
 
 def _gate_up(mlp: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The gate and up projections of an xtl (maybe fused) or HF MLP."""
-    if hasattr(mlp, "project_gate_up"):
+    from xtl.module.mlp import GatedMLP
+
+    if isinstance(mlp, GatedMLP):
         return mlp.project_gate_up(x)
     return mlp.gate_proj(x), mlp.up_proj(x)
 
@@ -553,6 +561,8 @@ def _kept_by_layers(
     fields: dict, options: dict[str, Any], seq_len: int, seed: int
 ) -> tuple[int, int, list[torch.Tensor]]:
     """(GPU bytes, host bytes) alive at the end of one forward of the mode's model, and its gradients."""
+    from xtl.callbacks import ActivationOffload
+
     model, callbacks = _build_xtl(fields, options, seed)
     generator = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, fields["vocab_size"], (1, seq_len), generator=generator)
@@ -560,7 +570,7 @@ def _kept_by_layers(
     created = CreatedStorages()
     with created:
         loss = model(input_ids=ids, labels=ids, return_logits=False).loss
-    host = sum(c.stats.held_bytes for c in callbacks if hasattr(c, "stats"))
+    host = sum(c.stats.held_bytes for c in callbacks if isinstance(c, ActivationOffload))
     gpu = created.alive_bytes(params) - host
     loss.backward()
     return gpu, host, [p.grad.detach().clone() for p in model.parameters() if p.requires_grad]

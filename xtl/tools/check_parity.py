@@ -153,12 +153,13 @@ def _xtl_config(name: str, directory: Path | None, max_layers: int | None, rando
     total = config.num_hidden_layers
     if max_layers is not None and max_layers < total:
         changes: dict[str, Any] = {"num_hidden_layers": max_layers}
-        if getattr(config, "layer_types", None) is not None:
-            changes["layer_types"] = list(config.layer_types[:max_layers])
+        for name in config.per_layer_fields:  # one entry per decoder layer: cut too
+            if (values := getattr(config, name)) is not None:
+                changes[name] = list(values[:max_layers])
         if random:
             changes["vocab_size"] = vocab = min(config.vocab_size, CUT_VOCAB)
-            for key in ("bos_token_id", "eos_token_id", "pad_token_id"):  # ids the cut vocabulary no longer has
-                value = getattr(config, key, None)
+            ids = {"bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id}
+            for key, value in {**ids, "pad_token_id": config.pad_token_id}.items():  # ids the cut vocabulary lacks
                 if isinstance(value, int) and value >= vocab:
                     changes[key] = None
         config = dataclasses.replace(config, **changes)

@@ -21,6 +21,7 @@ from torch import nn
 
 from xtl.data import XTLDataModule
 from xtl.data.collate import MicroBatch, collate_pack, split_for_context_parallel
+from xtl.data.consumer import DataConsumer
 from xtl.data.item import IGNORE_INDEX
 from xtl.data.packing import Pack
 from xtl.errors import ConfigError, did_you_mean
@@ -44,7 +45,7 @@ from xtl.train.step import (
 from xtl.utils import atomic_write_bytes
 
 
-class LanguageModule(pl.LightningModule, ContextParallelFeature):
+class LanguageModule(pl.LightningModule, ContextParallelFeature, DataConsumer):
     """Trains an xtl model of any family on step batches (``list[MicroBatch]``) from :class:`xtl.data.XTLDataModule`.
 
     Manual optimization: each ``training_step`` runs forward/backward on every micro-batch with the loss scaled by
@@ -113,7 +114,7 @@ class LanguageModule(pl.LightningModule, ContextParallelFeature):
         self.model_config, self.hf_dir = resolve_model_config(model, model_overrides)
         self.family = family_of(self.model_config)
         self.family_training = family_training(self.model_config, routing)
-        if getattr(self.model_config, "mtp_layers", 0) and not self.trains_mtp:
+        if self.model_config.mtp_layers and not self.trains_mtp:
             raise ConfigError(
                 f"mtp_layers: {type(self).__name__} does not train multi-token prediction (a next-token objective "
                 "of LanguageModule); set mtp_layers to 0"
@@ -136,6 +137,11 @@ class LanguageModule(pl.LightningModule, ContextParallelFeature):
         self._test_metrics = nn.ModuleDict()
         self._predictions: list[dict[str, Any]] = []
         self._predict_generator: torch.Generator | None = None
+
+    @property
+    def reads_images(self) -> bool:
+        """The model has a vision tower (its family's ``vision`` trait): the data module feeds it images."""
+        return self.family.vision
 
     # ---- model -----------------------------------------------------------------------------------------------
 
@@ -395,7 +401,8 @@ class LanguageModule(pl.LightningModule, ContextParallelFeature):
         ``<default_root_dir>/predictions.jsonl``); rank 0 writes (every rank decodes every prompt)."""
         if not self.trainer.is_global_zero:
             return
-        output = getattr(self.trainer.datamodule, "predict_output", None)
+        datamodule = self.trainer.datamodule
+        output = datamodule.predict_output if isinstance(datamodule, XTLDataModule) else None
         path = Path(output) if output else Path(self.trainer.default_root_dir) / "predictions.jsonl"
         lines = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in self._predictions)
         atomic_write_bytes(path, lines.encode("utf-8"))
@@ -587,8 +594,10 @@ class LanguageModule(pl.LightningModule, ContextParallelFeature):
         return sets[key]
 
     def _set_name(self, stage: str, dataloader_idx: int) -> str:
-        datamodule = getattr(self.trainer, "datamodule", None)
-        names = getattr(datamodule, f"{stage}_set_names", None) or []
+        datamodule = self.trainer.datamodule
+        names: list[str] = []
+        if isinstance(datamodule, XTLDataModule):
+            names = datamodule.val_set_names if stage == "val" else datamodule.test_set_names
         return names[dataloader_idx] if dataloader_idx < len(names) else str(dataloader_idx)
 
 

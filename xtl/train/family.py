@@ -128,7 +128,7 @@ class RouterLosses(FamilyTraining):
     def __init__(self, settings: RouterTraining, config: TransformerConfig) -> None:
         self.settings = settings
         coef = settings.balance_loss_coef
-        self.balance_loss_coef = float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0) if coef is None else coef
+        self.balance_loss_coef = float(config.router_aux_loss_coef or 0.0) if coef is None else coef
         self._num_micro_batches = 1
         self._log: dict[str, torch.Tensor] = {}
 
@@ -256,13 +256,13 @@ def family_training(config: TransformerConfig, routing: RouterTraining | None) -
         ConfigError: ``routing`` is set for a model without routed experts.
     """
     family = family_of(config)
-    depths = int(getattr(config, "mtp_layers", 0) or 0)
+    depths = config.mtp_layers
     mtp = [MTPLosses(depths, float(config.mtp_loss_weight))] if depths else []
     if not family.routed_experts:
         if routing is not None:
-            model_type = getattr(config.hf_config_class, "model_type", type(config).__name__)
             raise ConfigError(
-                f"model.init_args.routing: {model_type} has no routed experts (a {family.name} model); remove routing"
+                f"model.init_args.routing: {config.model_type} has no routed experts (a {family.name} model); "
+                "remove routing"
             )
         return mtp
     return [RouterLosses(routing or RouterTraining(), config), *mtp]

@@ -53,8 +53,8 @@ def resolve_model_config(
                 ) from None
     if overrides:
         values = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
-        if "num_hidden_layers" in overrides and "layer_types" in values:
-            values["layer_types"] = None
+        if "num_hidden_layers" in overrides:  # per-layer lists follow the new depth
+            values.update(dict.fromkeys(config.per_layer_fields, None))
         config = _construct(type(config), {**values, **overrides}, "model.init_args.model_overrides")
     return config, hf_dir
 

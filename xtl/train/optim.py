@@ -35,6 +35,7 @@ from torch import nn
 from xtl.errors import ConfigError, did_you_mean
 from xtl.model import BaseModel
 from xtl.module.experts import GroupedExperts
+from xtl.module.norm import NORM_TYPES
 from xtl.train.muon import NS_COEFFICIENTS, NS_EPS, NS_STEPS, AdjustLR, Muon
 
 ScheduleKind = Literal["cosine", "linear", "constant"]
@@ -373,17 +374,14 @@ torch.serialization.add_safe_globals([ScheduleConfig])
 def param_groups(model: nn.Module, weight_decay: float, no_decay_norm_bias_embed: bool = True) -> list[dict]:
     """Split trainable parameters into a decayed group and (optionally) an undecayed one.
 
-    Norm weights, biases and embeddings get no weight decay when ``no_decay_norm_bias_embed`` is set.
+    Norm weights (the modules of :data:`~xtl.module.norm.NORM_TYPES`), biases and embeddings get no weight decay
+    when ``no_decay_norm_bias_embed`` is set.
     """
     no_decay_ids = set()
     if no_decay_norm_bias_embed:
         for module in model.modules():
             for name, param in module.named_parameters(recurse=False):
-                if (
-                    isinstance(module, nn.Embedding)
-                    or "norm" in type(module).__name__.lower()
-                    or name.endswith("bias")
-                ):
+                if isinstance(module, (nn.Embedding, *NORM_TYPES)) or name.endswith("bias"):
                     no_decay_ids.add(id(param))
     decay, no_decay = [], []
     for param in model.parameters():
@@ -414,14 +412,14 @@ def lr_lambda(kind: ScheduleKind, warmup_steps: int, total_steps: int, min_lr_ra
 
 
 def _hidden_matrices(model: nn.Module) -> set[int]:
-    """``id``s of the hidden weight matrices: 2-D weights of ``nn.Linear`` layers other than the LM head, and the
-    grouped experts' 3-D weights. A parameter that another module shares (a tied head is the embedding) counts only
-    when every module holding it qualifies."""
+    """``id``s of the hidden weight matrices: 2-D weights of ``nn.Linear`` layers other than the LM head (an xtl
+    model's ``text_model().lm_head``), and the grouped experts' 3-D weights. A parameter that another module shares
+    (a tied head is the embedding) counts only when every module holding it qualifies."""
+    head = model.text_model().lm_head if isinstance(model, BaseModel) else None
     verdicts: dict[int, bool] = {}
-    for module_name, module in model.named_modules():
+    for module in model.modules():
         for name, param in module.named_parameters(recurse=False):
-            linear = isinstance(module, nn.Linear) and name == "weight" and param.ndim == 2
-            linear = linear and module_name.rsplit(".", 1)[-1] != "lm_head"
+            linear = isinstance(module, nn.Linear) and name == "weight" and param.ndim == 2 and module is not head
             experts = isinstance(module, GroupedExperts) and param.ndim == 3
             verdicts[id(param)] = verdicts.get(id(param), True) and (linear or experts)
     return {key for key, hidden in verdicts.items() if hidden}

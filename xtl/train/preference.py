@@ -137,7 +137,7 @@ class PreferenceModule(LanguageModule):
     def setup(self, stage: str) -> None:
         """Refuse data of the kind the objective does not train on."""
         super().setup(stage)
-        datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+        datamodule = self._trainer.datamodule if self._trainer is not None else None
         if isinstance(datamodule, XTLDataModule):
             self._check_data_kinds(datamodule)
 

@@ -32,19 +32,22 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, get_args
+from typing import Any, Literal, Protocol, get_args
 
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
 from xtl.errors import ConfigError
-from xtl.model import BaseModel
-from xtl.strategies.parallelize import ReferenceViews, TransformStage, WeightSource
+from xtl.model import BaseModel, TransformerConfig
+from xtl.strategies.parallelize import (
+    ModelTransform,
+    ParallelizingStrategy,
+    ReferenceViews,
+    TransformStage,
+    WeightSource,
+)
 from xtl.train.model_spec import resolve_model_config
-
-if TYPE_CHECKING:
-    from xtl.train.base import LanguageModule
 
 ReferenceMode = Literal["auto", "live", "adapters_off", "precomputed", "model", "none"]
 REFERENCE_MODES: tuple[str, ...] = get_args(ReferenceMode)
@@ -111,6 +114,26 @@ def reference_config(value: str | ReferenceConfig | dict[str, Any]) -> Reference
     return ReferenceConfig(mode=value)
 
 
+class ReferenceOwner(Protocol):
+    """What a reference policy needs of its objective (``xtl.train.ReferenceOwner`` has all of it)."""
+
+    model: BaseModel
+    model_config: TransformerConfig
+    hparams: Any
+    device: torch.device
+
+    @property
+    def model_transforms(self) -> list[ModelTransform]:
+        """The run's model transforms."""
+
+    @property
+    def parallelizer(self) -> ParallelizingStrategy:
+        """The strategy's ``parallelize`` sequence."""
+
+    def build_frozen_copy(self, transforms: list[ModelTransform]) -> BaseModel:
+        """A frozen copy of the starting policy, built with ``transforms``."""
+
+
 class ReferencePolicy(nn.Module):
     """The reference an objective compares with: a frozen copy, a view of the policy, or nothing
     (:mod:`xtl.train.reference`).
@@ -145,7 +168,7 @@ class ReferencePolicy(nn.Module):
         self.frozen: BaseModel | None = None  # the frozen copy or separate model (live without views, model)
         self._views: list[ReferenceViews] = []
         self._mode = "none" if mode == "auto" and not needs_reference else mode
-        self._owner: list[LanguageModule] = []  # a list: not a submodule
+        self._owner: list[ReferenceOwner] = []  # a list: not a submodule
 
     @property
     def mode(self) -> str:
@@ -167,7 +190,7 @@ class ReferencePolicy(nn.Module):
         """Whether the reference moves towards the policy (and so is training state)."""
         return self.config.sync_every is not None
 
-    def build(self, owner: LanguageModule) -> None:
+    def build(self, owner: ReferenceOwner) -> None:
         """Resolve ``auto`` and build what the mode needs, once the policy is built (``owner.configure_model``).
 
         Raises:
@@ -293,7 +316,7 @@ class ReferencePolicy(nn.Module):
     def _base_is_start(self) -> bool:
         return bool(self._views) and all(v.base_is_start for v in self._views)
 
-    def _build_model(self, owner: LanguageModule) -> BaseModel:
+    def _build_model(self, owner: ReferenceOwner) -> BaseModel:
         config, hf_dir = resolve_model_config(self.config.model, self.config.model_overrides)
         policy = owner.model_config
         if config.vision_language != policy.vision_language:

@@ -81,7 +81,7 @@ class PrecomputedReference:
             ConfigError: The run's data is not an :class:`~xtl.data.XTLDataModule`.
         """
         trainer = self.module.trainer
-        datamodule = getattr(trainer, "datamodule", None)
+        datamodule = trainer.datamodule
         if not isinstance(datamodule, XTLDataModule):
             raise ConfigError(
                 "model.init_args.reference: precomputed reads the pairs from xtl.data.XTLDataModule (the data: "

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -124,7 +125,7 @@ def optimizer_step_unless_nonfinite(optimizer: torch.optim.Optimizer, grad_norm:
         grad_norm: The step's total gradient norm (a device tensor).
     """
     found_inf = (~torch.isfinite(grad_norm)).float()
-    inner = getattr(optimizer, "optimizer", optimizer)
+    inner = optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
     if getattr(inner, "_step_supports_amp_scaling", False):
         inner.grad_scale = None
         inner.found_inf = found_inf.to(_param_device(inner))

@@ -133,11 +133,29 @@ class Qwen3VLConfig:
         )
 
     vision_language: ClassVar[bool] = True
+    per_layer_fields: ClassVar[tuple[str, ...]] = ()
 
     @property
     def routed_experts(self) -> bool:
         """Whether the language model has mixture-of-experts layers."""
         return self.text_config.routed_experts
+
+    @property
+    def language_config(self) -> Any:
+        """The language model's config (``text_config``)."""
+        return self.text_config
+
+    @property
+    def mtp_layers(self) -> int:
+        """The language model's multi-token-prediction depths."""
+        return self.text_config.mtp_layers
+
+    @property
+    def router_aux_loss_coef(self) -> float:
+        """0: xtl trains a vision-language model's routers without the balance loss unless
+        ``routing.balance_loss_coef`` sets it (the language model's ``router_aux_loss_coef`` is kept for the HF round
+        trip only)."""
+        return 0.0
 
     @property
     def model_type(self) -> str:
@@ -172,7 +190,7 @@ class Qwen3VLConfig:
                 f"{cls.__name__} reads model_type {cls.hf_config_class.model_type!r}, got {hf_config.model_type!r}"
             )
         text = cls.text_config_class.from_hf_config(hf_config.text_config)
-        dtype = getattr(hf_config, "dtype", None)
+        dtype = hf_config.dtype
         return cls(
             text_config=text,
             vision_config=Qwen3VLVisionConfig.from_hf_config(hf_config.vision_config),

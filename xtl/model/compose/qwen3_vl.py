@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from xtl.batch import ModelOutput, SequenceContext
-from xtl.model.base import BaseModel
+from xtl.model.base import BaseModel, TextModel
 from xtl.model.dense.dense import Dense
 from xtl.model.moe.moe import MoE
 from xtl.module.kv_cache import NO_KV_CACHE, KVCache
@@ -388,7 +388,8 @@ class Qwen3VL(BaseModel):
             return self.language_model.hf_matrix_rows(key.removeprefix("language_model."), rows)
         return super().hf_matrix_rows(key, rows)
 
-    def _ignorable_hf_key(self, key: str) -> bool:
+    def ignorable_hf_key(self, key: str) -> bool:
+        """Rotary buffers and a tied head's own copy."""
         return key.endswith("rotary_emb.inv_freq") or (self.config.tie_word_embeddings and key == "lm_head.weight")
 
     def decoder_layers(self) -> nn.ModuleList:
@@ -399,7 +400,7 @@ class Qwen3VL(BaseModel):
         """The vision tower's blocks."""
         return self.visual.blocks
 
-    def text_model(self) -> nn.Module:
+    def text_model(self) -> TextModel:
         """The language model (``language_model``)."""
         return self.language_model
 

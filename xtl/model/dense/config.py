@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from xtl.model.config import TransformerConfig
 from xtl.module.norm import RMSNorm
@@ -63,6 +64,8 @@ class DenseConfig(TransformerConfig):
 @dataclass
 class SlidingWindowMixin:
     """Qwen-style per-layer attention types (``layer_types``) with an optional sliding window."""
+
+    per_layer_fields: ClassVar[tuple[str, ...]] = ("layer_types",)
 
     use_sliding_window: bool = False
     sliding_window: int | None = None

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from xtl.batch import ModelOutput, SequenceContext
-from xtl.model.base import BaseModel
+from xtl.model.base import TextModel
 from xtl.module.attention import MultiHeadAttention
 from xtl.module.decoder_layer import DecoderLayer
 from xtl.module.kv_cache import NO_KV_CACHE, KVCache
@@ -49,7 +49,7 @@ class ExtraHeadInputs:
     seq_ctx: SequenceContext | None
 
 
-class Dense(BaseModel):
+class Dense(TextModel):
     """Embedding, ``num_hidden_layers`` decoder layers, final norm (``config.norm_class``), LM head (tied or not).
 
     Two call styles:
@@ -72,10 +72,6 @@ class Dense(BaseModel):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
         self.rotary_emb = RotaryEmbedding(config.hf_config)
-
-    def decoder_layers(self) -> nn.ModuleList:
-        """``layers``."""
-        return self.layers
 
     def tie_weights(self) -> None:
         """Share the LM head with the input embedding when the config ties them."""

@@ -1,8 +1,8 @@
 """Loading a model's weights from, and saving them to, a Hugging Face model directory.
 
-The model supplies the key map and the layout hooks (``checkpoint_tensors``, ``hf_keys``, ``hf_to_param``,
-``param_to_hf``, ``_ignorable_hf_key``, ``_keep_fp32_names``); this module runs the loops: which keys to read,
-shape checks and strict errors, DTensor-aware copies, shard writing, side files and fp32-kept tensors.
+The model supplies the key map and the layout hooks through its public methods (:class:`CheckpointModel`, which
+``xtl.model.BaseModel`` implements); this module runs the loops: which keys to read, shape checks and strict
+errors, DTensor-aware copies, shard writing, side files and fp32-kept tensors. It does not import the model base.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -34,22 +34,58 @@ from xtl.model.hf.writer import ShardWriter, copy_side_files
 from xtl.module.nf4 import dequantize, is_nf4
 from xtl.utils import atomic_directory
 
-if TYPE_CHECKING:
-    from xtl.model.base import BaseModel
+
+class CheckpointModel(Protocol):
+    """What loading and saving need from a model (``xtl.model.BaseModel`` has all of it).
+
+    Attributes:
+        config: The model config (its ``dtype`` and ``hf_config``).
+        hf_dtypes: HF key -> the dtype its checkpoint stored it in (filled by :func:`load_hf_weights`).
+    """
+
+    config: Any
+    hf_dtypes: dict[str, torch.dtype]
+
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """The parameters and persistent buffers that map to HF keys."""
+
+    def adapter_tensors(self) -> dict[str, torch.Tensor]:
+        """xtl-only parameters (no HF key), initialized after every load."""
+
+    def hf_keys(self, key: str) -> list[str]:
+        """The HF keys of the tensor ``key``."""
+
+    def hf_to_param(self, key: str, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """The tensor ``key`` from its HF tensors."""
+
+    def param_to_hf(self, key: str, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """The HF tensors of the tensor ``key``."""
+
+    def ignorable_hf_key(self, key: str) -> bool:
+        """Whether an HF key no tensor reads may stay unread."""
+
+    def keep_fp32_names(self) -> set[str]:
+        """Tensors written in fp32 whatever the dtype."""
+
+    def init_tensors(self, names: list[str]) -> None:
+        """Initialize the named tensors."""
+
+    def materialize(self, device: torch.device | str) -> None:
+        """Allocate a ``meta`` model's storage on ``device``."""
 
 
 def load_hf_weights(
-    model: BaseModel, path: str | Path, strict: bool = True, device: torch.device | str | None = None
+    model: CheckpointModel, path: str | Path, strict: bool = True, device: torch.device | str | None = None
 ) -> list[str]:
     """The loop behind ``BaseModel.from_hf``: read, reshape and copy every checkpoint tensor of ``model``.
 
     For each tensor of ``model.checkpoint_tensors()`` the HF keys come from ``model.hf_keys``, are read lazily and
     combined by ``model.hf_to_param``; a DTensor receives only its local shard. A ``meta`` model is materialized
     on ``device`` (default CPU) first; with ``strict=False`` the tensors whose keys are absent are initialized.
-    Checkpoint keys the model does not consume count as unexpected unless ``model._ignorable_hf_key`` says so.
+    Checkpoint keys the model does not consume count as unexpected unless ``model.ignorable_hf_key`` says so.
     A block-fp8 checkpoint (``quantization_config`` with ``weight_block_size``; see :mod:`xtl.model.hf.fp8`) is
     dequantized: each fp8 weight is read with its ``_scale_inv`` and cast to the parameter's dtype. The stored dtype
-    of every key read unquantized is remembered (``model._hf_dtypes``): :func:`save_hf_weights` writes the key in it.
+    of every key read unquantized is remembered (``model.hf_dtypes``): :func:`save_hf_weights` writes the key in it.
 
     Args:
         model: The model (its key map and layout hooks decide what is read).
@@ -94,18 +130,18 @@ def load_hf_weights(
                 )
                 continue
             copy_into(param, full)
-        unexpected = sorted(k for k in set(reader.keys()) - consumed if not model._ignorable_hf_key(k))
+        unexpected = sorted(k for k in set(reader.keys()) - consumed if not model.ignorable_hf_key(k))
     if mismatched or (strict and (missing or unexpected)):
         raise CheckpointMismatchError(_mismatch_message(path, missing, unexpected, mismatched))
-    model._hf_dtypes = dtypes
+    model.hf_dtypes = dtypes
     adapters = list(model.adapter_tensors())  # xtl-only weights (LoRA factors): initialized, not loaded
     if missing_params or adapters:
-        model._init_named(missing_params + adapters)
+        model.init_tensors(missing_params + adapters)
     return missing
 
 
 def save_hf_weights(
-    model: BaseModel,
+    model: CheckpointModel,
     out_dir: str | Path,
     max_shard_size: str = DEFAULT_MAX_SHARD_SIZE,
     dtype: torch.dtype | None = None,
@@ -126,7 +162,7 @@ def save_hf_weights(
         dtype: Cast floating-point tensors to this dtype. By default each key loaded from an HF checkpoint
             (:func:`load_hf_weights`, unquantized) is written in the dtype it was stored in there, so a load + save
             round trip keeps every tensor's dtype; any other tensor is written in the config's ``dtype`` if set,
-            else in its parameter's dtype. Tensors a module declares in its ``keep_fp32`` attribute are written
+            else in its parameter's dtype. Tensors the model declares fp32 (``keep_fp32_names``) are written
             in fp32 unless their checkpoint stored them otherwise (``dtype`` given: always fp32). NF4 (QLoRA) base
             weights are written dequantized.
         source_dir: The HF directory the model was loaded from; its generation config and tokenizer files are
@@ -149,13 +185,13 @@ def save_hf_weights(
     parse_size(max_shard_size)  # fail on every rank, before any collective
     if fp8 is not None and fp8 not in FP8_FORMATS:
         raise ValueError(f"fp8 must be null or one of {FP8_FORMATS}; got {fp8!r}")
-    stored = model._hf_dtypes if dtype is None else {}  # an explicit dtype overrides the source checkpoint's
+    stored = model.hf_dtypes if dtype is None else {}  # an explicit dtype overrides the source checkpoint's
     if dtype is None and model.config.dtype is not None:
         dtype = getattr(torch, model.config.dtype)
     is_writer = not dist.is_initialized() or dist.get_rank() == 0
     with atomic_directory(out_dir) if is_writer else nullcontext(None) as tmp:
         writer = ShardWriter(tmp, max_shard_size) if is_writer else None
-        keep_fp32 = model._keep_fp32_names()
+        keep_fp32 = model.keep_fp32_names()
         unquantized: list[str] = []
         for name, tensor in model.checkpoint_tensors().items():
             full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach()
@@ -208,7 +244,7 @@ def _saved_dtype(
 
 
 def _write_side_files(
-    model: BaseModel,
+    model: CheckpointModel,
     out_dir: Path,
     dtype: torch.dtype | None,
     source_dir: str | Path | None,
@@ -220,9 +256,9 @@ def _write_side_files(
         hf_config.dtype = str(dtype).removeprefix("torch.")
     if quantization is not None:
         hf_config.quantization_config = quantization
-    text = getattr(hf_config, "text_config", None)  # a vision-language config keeps them on its text config too
+    text = hf_config.get_text_config()  # a vision-language config keeps them on its text config too
     for key, value in (token_ids or {}).items():
-        for config in (hf_config, text) if text is not None else (hf_config,):
+        for config in (hf_config,) if text is hf_config else (hf_config, text):
             if value is not None and getattr(config, key, None) is None:
                 main = value[0] if isinstance(value, list) else value
                 setattr(config, key, main)

@@ -26,7 +26,8 @@ from xtl.errors import ConfigError
 from xtl.model.hf.errors import CheckpointFormatError, CheckpointMismatchError
 from xtl.model.hf.model_io import copy_into
 from xtl.model.hf.writer import save_shard
-from xtl.module.lora import lora_layers, merged_weight
+from xtl.module.lora import lora_factors, lora_layers, merged_weight
+from xtl.module.traits import AdapterModule
 from xtl.utils import atomic_directory
 
 if TYPE_CHECKING:
@@ -148,7 +149,7 @@ def peft_target_modules(model: BaseModel, paths: dict[str, str] | None = None) -
     paths = peft_module_paths(model) if paths is None else paths
     last = {p.rsplit(".", 1)[-1] for p in paths.values()}
     for name, module in model.named_modules():
-        if not isinstance(module, nn.Linear) or name in paths or getattr(module, "is_adapter", False):
+        if not isinstance(module, nn.Linear) or name in paths or isinstance(module, AdapterModule):
             continue
         try:
             other = hf_module_path(model, name)
@@ -183,8 +184,8 @@ def save_peft_adapter(
     is_writer = not dist.is_initialized() or dist.get_rank() == 0
     state: dict[str, torch.Tensor] = {}
     for name, layer in lora_layers(model):
-        for factor in ("lora_A", "lora_B"):
-            full = _full(getattr(layer, factor).weight)
+        for factor, projection in lora_factors(layer).items():
+            full = _full(projection.weight)
             if is_writer:
                 state[f"{PEFT_PREFIX}{paths[name]}.{factor}.weight"] = full.to(dtype) if dtype is not None else full
     if is_writer:
@@ -215,9 +216,9 @@ def load_peft_adapter(model: BaseModel, adapter_dir: str | Path) -> None:
         raise FileNotFoundError(f"{path} does not exist{bin_hint if path.with_suffix('.bin').is_file() else ''}")
     paths = peft_module_paths(model)
     params = {
-        f"{PEFT_PREFIX}{paths[name]}.{factor}.weight": getattr(layer, factor).weight
+        f"{PEFT_PREFIX}{paths[name]}.{factor}.weight": projection.weight
         for name, layer in lora_layers(model)
-        for factor in ("lora_A", "lora_B")
+        for factor, projection in lora_factors(layer).items()
     }
     try:
         with safe_open(str(path), framework="pt") as file:

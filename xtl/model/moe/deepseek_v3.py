@@ -296,11 +296,12 @@ class DeepSeekV3(MoE):
             rest = f"shared_head.{rest}"
         return f"layers.{self.config.num_hidden_layers + int(match[1])}.{rest}"
 
-    def _ignorable_hf_key(self, key: str) -> bool:
+    def ignorable_hf_key(self, key: str) -> bool:
+        """Also the checkpoint's MTP layers beyond the built depths."""
         match = _LAYER_KEY.match(key)
         if match and int(match[1]) >= self.config.num_hidden_layers + len(self.mtp):
             return True  # MTP layers of the checkpoint that are not built
-        return super()._ignorable_hf_key(key)
+        return super().ignorable_hf_key(key)
 
 
 @dataclass

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 from transformers import GptOssConfig
@@ -52,6 +53,7 @@ class GptOssMoEConfig(MoEConfig):
 
     hf_config_class = GptOssConfig
     hf_architecture = "GptOssForCausalLM"
+    per_layer_fields: ClassVar[tuple[str, ...]] = ("layer_types",)
 
     num_local_experts: int = 128
     num_experts_per_tok: int = 4

@@ -24,13 +24,18 @@ if TYPE_CHECKING:
 
 
 def default_grad_params(model: BaseModel) -> list[str]:
-    """The gradients checked by default: first and last decoder layer, final norm, and the head.
+    """The gradients checked by default: the parameters of the first and the last decoder layer, of the final norm
+    and of the head, by name, in that order.
 
-    With tied embeddings the head is ``embed_tokens.weight``.
+    The parts come from the model's typed accessors (``decoder_layers()``, ``text_model()``); with tied embeddings
+    the head's weight is the embedding's, named ``embed_tokens.weight``.
     """
-    last = len(model.layers) - 1
-    head = "embed_tokens.weight" if model.config.tie_word_embeddings else "lm_head.weight"
-    return ["layers.0.*", f"layers.{last}.*", "norm.weight", head]
+    text, layers = model.text_model(), model.decoder_layers()
+    name_of = {id(param): name for name, param in model.named_parameters()}
+    names: list[str] = []
+    for part in (layers[0], layers[-1], text.norm, text.lm_head):
+        names += [name_of[id(p)] for p in part.parameters() if name_of[id(p)] not in names]
+    return names
 
 
 def run_parity_check(
@@ -75,13 +80,13 @@ def run_parity_check(
     resolve_tolerance(tolerance, mode, torch.float32, tolerances)  # bad options fail on every rank, before any work
     if reference is None and hf_config is None:
         raise ValueError("pass the reference or the hf_config to build it from")
-    missing = [name for name in ("embed_tokens", "layers", "norm") if not hasattr(model, name)]
-    if missing:
+    if model.text_model() is not model:
         raise ValueError(
-            f"{type(model).__name__} has no {missing[0]}: the parity check covers decoder-only text models"
+            f"{type(model).__name__} is not a decoder-only text model (its language model is a part of it): the "
+            "parity check covers decoder-only text models"
         )
     main = is_main()
-    num_layers = len(model.layers)
+    num_layers = len(model.decoder_layers())
     checked = num_layers if max_layers is None else max(0, min(max_layers, num_layers))
     if reference is not None:
         checked = min(checked, len(reference.model.layers))

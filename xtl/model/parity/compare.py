@@ -99,9 +99,10 @@ def run_xtl(
         forward_context: Entered around each forward.
         device: Where the model's inputs go.
     """
-    modules = {"embed": model.embed_tokens, **{f"layer {i}": model.layers[i] for i in range(checked)}}
+    text, layers = model.text_model(), model.decoder_layers()
+    modules = {"embed": text.embed_tokens, **{f"layer {i}": layers[i] for i in range(checked)}}
     if whole:
-        modules["norm"] = model.norm
+        modules["norm"] = text.norm
     backward = bool(grad_names) and docs.num_supervised > 0
     run = _xtl_per_document if mode == "hf_impl" else _xtl_packed
     with _Recorder(modules) as recorder, hf_impl(True) if mode == "hf_impl" else nullcontext():

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import copy
-import re
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -94,12 +93,13 @@ def build_reference(
         max_layers: Build only the first decoder layers.
     """
     main = is_main()
-    keep_layers = len(model.layers) if max_layers is None else min(max_layers, len(model.layers))
-    keep_fp32 = model._keep_fp32_names()
+    layers = model.decoder_layers()
+    keep_layers = len(layers) if max_layers is None else min(max_layers, len(layers))
+    left_out = {id(t) for layer in layers[keep_layers:] for t in (*layer.parameters(), *layer.buffers())}
+    keep_fp32 = model.keep_fp32_names()
     state: dict[str, torch.Tensor] = {}
     for name, tensor in model.checkpoint_tensors().items():
-        layer = _layer_index(name)
-        if layer is not None and layer >= keep_layers:
+        if id(tensor) in left_out:  # a tensor of a decoder layer the reference does not build
             continue
         full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach()
         if not main:
@@ -141,11 +141,6 @@ def _quiet_transformers() -> Iterator[None]:
         hf_logging.set_verbosity(verbosity)
         if bars:
             hf_logging.enable_progress_bar()
-
-
-def _layer_index(name: str) -> int | None:
-    match = re.match(r"layers\.(\d+)\.", name)
-    return int(match[1]) if match else None
 
 
 def _mismatch(entry: Any) -> str:
