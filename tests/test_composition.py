@@ -141,9 +141,16 @@ def _check_feature_acts(cell: Cell, result: dict, plain: dict) -> None:
         assert "parity/ok" in result["logged"]
     elif name == "throughput":
         assert "train/tflops_per_device" in result["logged"]
-    elif name == "dpo":  # step 0: the policy is its reference, every margin 0, the loss log 2
+    elif name.startswith("dpo"):  # step 0: the policy is its reference, every margin 0, the loss log 2
         assert math.isclose(float(result["losses"]["0"]), math.log(2), rel_tol=1e-6), result["losses"]
         assert {"train/rewards/accuracies", "train/rewards/margins", "train/logps/chosen"} <= set(result["logged"])
+        reference = probe["reference"]
+        if name == "dpo_precomputed":  # no reference model, the training set's table
+            assert reference["mode"] == "precomputed" and not reference["frozen"] and "train" in reference["tables"]
+        elif name == "dpo_synced":  # a frozen copy that moved with the policy
+            assert reference["frozen"] and reference["moved"], reference
+        else:
+            assert reference["mode"] == "live" and reference["frozen"] and not reference["moved"], reference
     elif name == "kto":  # step 0: every reward and the reference point 0, each row's loss 1 - sigmoid(0)
         assert math.isclose(float(result["losses"]["0"]), 0.5, rel_tol=1e-6), result["losses"]
         assert {"train/kl", "train/rewards/chosen", "train/rewards/rejected"} <= set(result["logged"])

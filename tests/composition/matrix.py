@@ -210,6 +210,26 @@ FEATURES = (
         "preference optimization (DPO, live reference sharded like the policy) on the tiny preference pairs",
     ),
     Feature(
+        "dpo_precomputed",
+        (),
+        "model:\n  class_path: xtl.train.PreferenceModule\n  init_args:\n"
+        "    objective: {loss_type: sigmoid, beta: 0.1}\n    reference: precomputed\n"
+        "data:\n  sources: [{path: tiny:preference_train.jsonl, kind: preference}]\n",
+        "objective",
+        "DPO with the reference's log-probabilities precomputed before the first step (one pass sharded like the "
+        "data; under CP each rank scores its share of every pack)",
+    ),
+    Feature(
+        "dpo_synced",
+        (),
+        "model:\n  class_path: xtl.train.PreferenceModule\n  init_args:\n"
+        "    objective: {loss_type: sigmoid, beta: 0.1}\n    reference: {mode: live, sync_every: 1}\n"
+        "data:\n  sources: [{path: tiny:preference_train.jsonl, kind: preference}]\n",
+        "objective",
+        "DPO whose frozen reference copy moves towards the policy after every step (TR-DPO, `sync_every: 1`)",
+        ("single", "fsdp", "ep"),
+    ),
+    Feature(
         "kto",
         (),
         "model:\n  class_path: xtl.train.PreferenceModule\n  init_args:\n"

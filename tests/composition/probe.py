@@ -8,6 +8,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from xtl.callbacks import ActivationOffload
 from xtl.callbacks.compile import compiled_frames
@@ -20,13 +21,15 @@ class Probe(pl.Callback):
     It holds: ``calls`` (part -> forward calls of each block's first linear layer: a recomputing block is called
     again in backward), ``trainable`` / ``total`` parameters, ``float8`` (fp8 linear layers), ``nf4`` (NF4
     weights), ``fused`` (fused projections), ``compiled_frames`` (frames Dynamo compiled during the fit),
-    ``offloaded_bytes``, ``files`` (what the run wrote under its root) and ``optimizer`` (its class, the
-    parameters in Muon groups and those of them Muon splits into HF matrices).
+    ``offloaded_bytes``, ``files`` (what the run wrote under its root), ``optimizer`` (its class, the
+    parameters in Muon groups and those of them Muon splits into HF matrices) and ``reference`` (an objective's
+    reference policy: mode, frozen model, precomputed tables, whether it moved).
     """
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Hook the blocks and note the compile counter."""
+        """Hook the blocks and note the compile counter and the reference's starting weights."""
         self.frames = compiled_frames()
+        self.reference_start = _reference_sum(pl_module)
         self.calls: dict[str, list[int]] = {}
         for part, stack in pl_module.model.layer_stacks().items():
             counts = self.calls.setdefault(part, [0] * len(stack))
@@ -51,6 +54,7 @@ class Probe(pl.Callback):
             "offloaded_bytes": sum(cb.stats.offloaded_bytes for cb in offload),
             "files": sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()),
             "optimizer": _optimizer(trainer),
+            "reference": _reference(pl_module, self.reference_start),
         }
         if trainer.is_global_zero:
             atomic_write_bytes(root / "probe.json", json.dumps(record).encode())
@@ -66,6 +70,30 @@ def _optimizer(trainer: pl.Trainer) -> dict[str, Any]:
         "muon_params": sum(len(g["params"]) for g in groups),
         "split_matrices": len(getattr(optimizer, "matrix_rows", {})),
     }
+
+
+def _reference(pl_module: pl.LightningModule, start: float | None) -> dict[str, Any] | None:
+    """The objective's reference: its mode, whether it holds a frozen model, the precomputed tables and whether the
+    frozen model moved during the fit (this rank's shards)."""
+    reference = getattr(pl_module, "reference", None)
+    if reference is None:
+        return None
+    precomputed = getattr(pl_module, "precomputed", None)
+    end = _reference_sum(pl_module)
+    return {
+        "mode": reference.mode,
+        "frozen": reference.frozen is not None,
+        "tables": sorted(precomputed.tables) if precomputed is not None else [],
+        "moved": start is not None and end != start,
+    }
+
+
+def _reference_sum(pl_module: pl.LightningModule) -> float | None:
+    reference = getattr(pl_module, "reference", None)
+    if reference is None or reference.frozen is None:
+        return None
+    local = (p.to_local() if isinstance(p, DTensor) else p for p in reference.frozen.parameters())
+    return float(sum(t.detach().float().sum() for t in local))
 
 
 def _counter(counts: list[int], index: int) -> Any:

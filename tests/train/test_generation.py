@@ -188,3 +188,11 @@ class TestSplitThinking:
     def test_reasoning_and_answer(self):
         assert split_thinking("<think>\nsum\n</think>\n\n5") == ("sum", "5")
         assert split_thinking(" 5 ") == ("", "5")
+
+
+class TestCheckpointed:
+    def test_the_config_loads_from_a_checkpoint_with_weights_only(self, tmp_path):
+        """``generation:`` is a hyperparameter of every module: a checkpoint holding it loads as resumes load it."""
+        torch.save({"hyper_parameters": {"generation": GenerationConfig(temperature=0.5)}}, tmp_path / "c.pt")
+        loaded = torch.load(tmp_path / "c.pt", weights_only=True)["hyper_parameters"]["generation"]
+        assert loaded == GenerationConfig(temperature=0.5)

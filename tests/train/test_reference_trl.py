@@ -221,7 +221,8 @@ class TestSeparateReferenceModel:
         """TRL's ``ref_model`` the reference with the adapter merged by PEFT (``merge_and_unload``: TRL's fused LM head
         patch does not take a ``PeftModel`` as ``ref_model``); xtl merges it into the reference's weights at load."""
         reference_dir, policy_dir = checkpoints
-        ref = PeftModel.from_pretrained(_hf(reference_dir), adapter).merge_and_unload().eval()
+        ref = PeftModel.from_pretrained(_hf(reference_dir), adapter, autocast_adapter_dtype=False)  # fp64 factors
+        ref = ref.merge_and_unload().eval()
         trainer = _dpo_trainer(tmp_path, tokenizer, _hf(policy_dir), ref, beta=0.1)
         batch, loss, metrics = _trl_dpo(trainer, CHAT_ROWS)
         spec = {"mode": "model", "model": str(reference_dir), "adapter": str(adapter)}

@@ -86,6 +86,9 @@ class GenerationConfig:
         return replace(self, stop_token_ids=stop, pad_token_id=pad)
 
 
+torch.serialization.add_safe_globals([GenerationConfig])  # a hyperparameter in checkpoints (weights_only loads)
+
+
 @dataclass
 class GenerationOutput:
     """What :func:`generate` returns.

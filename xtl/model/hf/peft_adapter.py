@@ -245,7 +245,8 @@ def load_peft_adapter(model: BaseModel, adapter_dir: str | Path) -> None:
 
 def merge_peft_adapter(model: BaseModel, adapter_dir: str | Path) -> int:
     """Merge a PEFT LoRA adapter into the weights of ``model`` (which has no LoRA layers of its own): each adapted
-    linear layer's weight becomes ``W + scaling * B @ A`` (fp32 math, cast back to ``W``'s dtype), as PEFT's
+    linear layer's weight becomes ``W + scaling * B @ A`` (fp32 math, fp64 for an fp64 model, cast back to ``W``'s
+    dtype), as PEFT's
     ``merge_and_unload`` computes it. Under torch.distributed every rank calls it (sharded weights are gathered one at
     a time) and keeps its shard.
 
@@ -294,8 +295,9 @@ def merge_peft_adapter(model: BaseModel, adapter_dir: str | Path) -> int:
                         f"not fit a ({layer.out_features}, {layer.in_features}) layer of rank {rank}"
                     )
                 full = _full(layer.weight)
-                delta = (lora_b.float() @ lora_a.float()) * scaling
-                copy_into(layer.weight, (full.float() + delta.to(full.device)).to(full.dtype))
+                math = torch.promote_types(full.dtype, torch.float32)  # fp32, or fp64 for an fp64 model
+                delta = (lora_b.to(math) @ lora_a.to(math)) * scaling
+                copy_into(layer.weight, (full.to(math) + delta.to(full.device)).to(full.dtype))
     except SafetensorError as err:
         raise CheckpointFormatError(f"{path}: not a safetensors file ({err})") from None
     except KeyError as err:
