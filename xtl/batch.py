@@ -162,8 +162,6 @@ class ModelOutput:
         logits: Vocabulary logits, if requested.
         hidden_states: Final hidden states (after the last norm), if requested.
         extras: Family extras (router losses, tokens per expert, ...).
-        token_losses: Per-position cross-entropy, flat ``(N,)``, fp32 (fp64 for an fp64 model), 0 where no loss.
-        token_positions: The packed positions of ``token_losses`` (``(N,)``; ``None``: every position, in order).
     """
 
     loss: torch.Tensor | None = None
@@ -172,5 +170,3 @@ class ModelOutput:
     logits: torch.Tensor | None = None
     hidden_states: torch.Tensor | None = None
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
-    token_losses: torch.Tensor | None = None
-    token_positions: torch.Tensor | None = None

@@ -49,13 +49,6 @@ def cross_entropy_sum(
     return loss_sum, (flat_targets != ignore_index).sum()
 
 
-def token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
-    """Per-position cross-entropy (``-log p(target)``) in fp32, or fp64 for fp64 logits, flattened ``(N,)`` over
-    ``targets``' positions, 0 where ``ignore_index``."""
-    flat = logits.to(torch.promote_types(logits.dtype, torch.float32)).reshape(-1, logits.shape[-1])
-    return F.cross_entropy(flat, targets.reshape(-1).to(flat.device), ignore_index=ignore_index, reduction="none")
-
-
 def cross_entropy_mean(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
     """Mean token cross-entropy in fp32, the exact op of transformers' ``ForCausalLMLoss``."""
     flat_logits = logits.float().reshape(-1, logits.shape[-1])

@@ -8,7 +8,8 @@ A meta-device model becomes a trainable one in exactly this order (``Parallelizi
 4. context parallelism (``ParallelizingStrategy.apply_context_parallel``: attention through Ulysses over ``cp``);
 5. expert parallelism (``ParallelizingStrategy.apply_expert_parallel``: experts split, dispatcher installed);
 6. data-parallel sharding (``ParallelizingStrategy.apply_data_parallel``: FSDP2 over the model's shard units);
-7. weight load (``from_hf``) or seeded initialization, then the parameter dtype;
+7. weight load (``from_hf``) or seeded initialization, then the parameter dtype (and a merged adapter, for a frozen
+   reference model of its own);
 8. each transform's ``after_weights`` (same order as 1-3), e.g. quantizing frozen base weights for QLoRA.
 
 The two protocols are abstract base classes, so taking part is declared by subclassing, never discovered:
@@ -211,9 +212,9 @@ class ParallelizingStrategy(ABC):
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(weights.seed)
                 model.init_weights()
-        if weights.adapter_dir is not None:
-            merge_peft_adapter(model, weights.adapter_dir)
         model = self.apply_param_dtype(model, weights.dtype)
+        if weights.adapter_dir is not None:  # in the parameters' own dtype (at least fp32 math)
+            merge_peft_adapter(model, weights.adapter_dir)
         for transform in sorted(transforms, key=lambda t: t.transform_stage):
             model = transform.after_weights(model)
         return model

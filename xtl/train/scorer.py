@@ -64,7 +64,7 @@ def score_tokens(
     The head runs on the positions ``seq_ctx.loss_positions`` names (the supervised ones, topped up to few distinct
     counts by the collate step), or on every position without them; the vocabulary-wide logits of no other position
     are computed. Per position the math is ``log_softmax(fp32 logits / temperature)[target]``, which at temperature
-    1 is exactly the negated cross-entropy of :func:`xtl.ops.cross_entropy.token_cross_entropy`. Nothing is read back
+    1 is exactly the negated per-token cross-entropy (``F.cross_entropy(..., reduction="none")``). Nothing is read back
     from the device.
 
     Args:

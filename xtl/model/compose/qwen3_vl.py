@@ -184,7 +184,6 @@ class Qwen3VL(BaseModel):
         seq_ctx: SequenceContext | None = None,
         return_logits: bool = True,
         return_hidden_states: bool = False,
-        return_token_losses: bool = False,
         kv_cache: KVCache | None = None,
         logits_to_keep: int | torch.Tensor = 0,
     ) -> ModelOutput:
@@ -203,7 +202,6 @@ class Qwen3VL(BaseModel):
             seq_ctx: A packed batch (images in ``extras``); excludes the HF-style arguments.
             return_logits: Keep logits in the output.
             return_hidden_states: Keep the final hidden states in the output.
-            return_token_losses: Also return each position's cross-entropy (:meth:`Dense.forward`).
             kv_cache: Keys and values of earlier calls (decoding; :meth:`Dense.forward`).
             logits_to_keep: Head only on the last ``n`` positions or on an index tensor (:meth:`Dense.forward`).
         """
@@ -211,9 +209,7 @@ class Qwen3VL(BaseModel):
         if seq_ctx is not None:
             if any(a is not None for a in (input_ids, inputs_embeds, attention_mask, position_ids, pixel_values)):
                 raise ValueError("pass either seq_ctx or the HF-style arguments, not both")
-            return self._forward_packed(
-                seq_ctx, labels, return_logits, return_hidden_states, return_token_losses, kv_cache, logits_to_keep
-            )
+            return self._forward_packed(seq_ctx, labels, return_logits, return_hidden_states, kv_cache, logits_to_keep)
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("exactly one of input_ids and inputs_embeds must be given")
         if inputs_embeds is None:
@@ -232,7 +228,6 @@ class Qwen3VL(BaseModel):
                 position_ids=position_ids,
                 return_logits=return_logits,
                 return_hidden_states=return_hidden_states,
-                return_token_losses=return_token_losses,
                 kv_cache=kv_cache,
                 logits_to_keep=logits_to_keep,
             )
@@ -243,7 +238,6 @@ class Qwen3VL(BaseModel):
         labels: torch.Tensor | None,
         return_logits: bool,
         return_hidden_states: bool,
-        return_token_losses: bool,
         kv_cache: KVCache | None = None,
         logits_to_keep: int | torch.Tensor = 0,
     ) -> ModelOutput:
@@ -269,7 +263,6 @@ class Qwen3VL(BaseModel):
                 seq_ctx=packed,
                 return_logits=return_logits,
                 return_hidden_states=return_hidden_states,
-                return_token_losses=return_token_losses,
                 kv_cache=kv_cache,
                 logits_to_keep=logits_to_keep,
             )

@@ -6,7 +6,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from xtl.batch import ModelOutput, SequenceContext
@@ -17,7 +16,7 @@ from xtl.module.kv_cache import NO_KV_CACHE, KVCache
 from xtl.module.mlp import GatedMLP
 from xtl.module.rope import RotaryEmbedding
 from xtl.ops.attention import AttentionMaskSpec
-from xtl.ops.cross_entropy import IGNORE_INDEX, lm_head_loss, shift_labels, token_cross_entropy
+from xtl.ops.cross_entropy import lm_head_loss, shift_labels
 from xtl.ops.selector import hf_impl_enabled
 
 if TYPE_CHECKING:
@@ -129,7 +128,6 @@ class Dense(TextModel):
         return_hidden_states: bool = False,
         kv_cache: KVCache | None = None,
         logits_to_keep: int | torch.Tensor = 0,
-        return_token_losses: bool = False,
     ) -> ModelOutput:
         """Run the model; see the class docstring for the two call styles.
 
@@ -146,9 +144,6 @@ class Dense(TextModel):
             kv_cache: Keys and values of earlier calls; this call's are appended (decoding).
             logits_to_keep: Head (logits, loss) only on the last ``n`` positions (0: all), or on the positions of
                 a 1-D index tensor (e.g. each packed prompt's last token), as transformers' ``logits_to_keep``.
-            return_token_losses: Also return each position's cross-entropy (``token_losses``, with the packed
-                positions they belong to in ``token_positions``), for objectives over sequences (preference
-                optimization); the loss sum is their sum.
         """
         if seq_ctx is not None:
             if input_ids is not None or inputs_embeds is not None or attention_mask is not None:
@@ -188,26 +183,18 @@ class Dense(TextModel):
                 position_ids=position_ids,
                 position_embeddings=position_embeddings,
                 mask=mask,
-                targets=None if return_token_losses else targets,
+                targets=targets,
                 rows=rows,
                 attention_mask=attention_mask,
                 seq_ctx=seq_ctx,
             ),
             extras,
         )
-        positions = keep if isinstance(keep, torch.Tensor) else None
         if isinstance(keep, torch.Tensor):  # index_select: its backward is one index_add (no sort, no big buffers)
             hidden, targets = hidden.index_select(1, keep), None if targets is None else targets.index_select(1, keep)
             keep = slice(None)
         targets = None if targets is None else targets[:, keep]
-        token_losses = None
-        if return_token_losses and targets is not None:
-            logits, token_losses = self.head_token_losses(hidden[:, keep], targets, return_logits)
-            num_tokens = (targets != IGNORE_INDEX).sum()
-            loss_sum = token_losses.sum()
-            loss = loss_sum / num_tokens.clamp(min=1)
-        else:
-            logits, loss, loss_sum, num_tokens = self.head_loss(hidden[:, keep], targets, return_logits)
+        logits, loss, loss_sum, num_tokens = self.head_loss(hidden[:, keep], targets, return_logits)
         return ModelOutput(
             loss=loss,
             loss_sum=loss_sum,
@@ -215,8 +202,6 @@ class Dense(TextModel):
             logits=logits,
             hidden_states=hidden if return_hidden_states else None,
             extras=extras,
-            token_losses=token_losses,
-            token_positions=positions,
         )
 
     def head_loss(
@@ -242,13 +227,6 @@ class Dense(TextModel):
             extras: The extras of the decoder layers.
         """
         return extras
-
-    def head_token_losses(
-        self, hidden: torch.Tensor, targets: torch.Tensor, return_logits: bool
-    ) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """LM head and per-position cross-entropy: ``(logits or None, flat token losses)`` (fp32, 0 where ignored)."""
-        logits = F.linear(hidden, self.lm_head.weight)
-        return (logits if return_logits else None), token_cross_entropy(logits, targets)
 
     def run_layers(
         self,

@@ -134,7 +134,7 @@ class DeepSeekV3(MoE):
 
     MTP depth ``k`` (:class:`~xtl.module.mtp.MTPBlock` ``mtp[k-1]``) is built like decoder layer
     ``num_hidden_layers + k - 1`` and shares the embedding and the LM head with the model. A forward with targets
-    (and without ``return_token_losses``) runs the depths after the main model and adds to ``extras``:
+    runs the depths after the main model and adds to ``extras``:
 
     - ``mtp_loss_sum`` ``(D,)`` fp32, differentiable: depth ``k``'s summed cross-entropy of token ``t + k + 1`` at
       each position ``t`` whose target is supervised and in ``t``'s document.
