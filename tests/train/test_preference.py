@@ -292,6 +292,27 @@ class TestReferenceTable:
         assert reference_key(parts, code=(sequence_logps,)) != key
 
 
+class TestTableKey:
+    def test_the_key_follows_the_compute_dtypes(self, tmp_path):
+        """A table computed under FSDP's bf16 compute dtype is not read by a run that computes in fp32 (or under
+        another precision): the strategy's compute dtype and the trainer's precision are part of the key."""
+        from xtl.train.reference_tables import PrecomputedReference
+
+        def keys(gathered, precision="32-true") -> dict[str, str]:
+            module = SimpleNamespace(
+                model_transforms=[], global_rank=0, hf_dir=None,
+                hparams=SimpleNamespace(seed=0, param_dtype="float32"),
+                trainer=SimpleNamespace(strategy=SimpleNamespace(broadcast=lambda x, src: x), precision=precision),
+                model_config=_module().model_config, device=torch.device("cpu"),
+                parallelizer=SimpleNamespace(gathered_dtype=gathered),
+            )  # fmt: skip
+            data = SimpleNamespace(cache_dir=tmp_path, pack_max_length=128, pad_to_max_length=True)
+            return PrecomputedReference(module, _pair_logps, ())._keys(data, {"train": SimpleNamespace(key="k")})
+
+        fp32 = keys(None)
+        assert keys(None) == fp32 and keys(torch.bfloat16) != fp32 and keys(None, "bf16-mixed") != fp32
+
+
 class TestSetFingerprint:
     """The data side of the table's key: every packed set carries the fingerprint of what its packs hold."""
 

@@ -115,6 +115,7 @@ class PrecomputedReference:
             "weights": module.trainer.strategy.broadcast(weights, src=0),
             "model": dataclasses.asdict(module.model_config),
             "param_dtype": module.hparams.param_dtype,
+            "gathered_dtype": str(module.parallelizer.gathered_dtype),  # FSDP's mixed-precision compute dtype
             "precision": str(module.trainer.precision),
             "device": module.device.type,
             "transforms": [_describe(t) for t in transforms],
