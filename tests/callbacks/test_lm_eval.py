@@ -256,22 +256,19 @@ _FSDP_REQUESTS = [(f"Repeat: {w}", f" {w}") for w in "apple river stone cloud ti
 
 
 def _fsdp_worker(rank: int, world: int, port: int, hf_dir: str, out: str, cp: int = 1) -> None:
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-
-    from xtl.strategies import SingleDevice
-    from xtl.strategies.layout import ParallelLayout, ParallelMeshes
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         model, _ = load_model(Path(hf_dir))
         kwargs = {}
         if cp > 1:  # one context-parallel group, as FSDPStrategy lays it out
-            strategy = SingleDevice()
-            mesh = init_device_mesh("cpu", (cp,), mesh_dim_names=("cp",))
-            strategy.meshes = ParallelMeshes(ParallelLayout(cp=cp), None, None, None, None, mesh)
+            from tests.strategies.test_context_parallel import one_group_strategy
+
+            strategy = one_group_strategy(cp)
             strategy.apply_context_parallel(model)
-            kwargs = {"context_group": mesh.get_group(), "whole_sequences": lambda: strategy.whole_sequences(model)}
+            group = strategy.meshes.cp_group()
+            kwargs = {"context_group": group, "whole_sequences": lambda: strategy.whole_sequences(model)}
         for layer in model.decoder_layers():
             fully_shard(layer)
         fully_shard(model)

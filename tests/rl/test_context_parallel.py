@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests.strategies.test_context_parallel import averaged_over_ranks, one_group_strategy
 from tests.train.test_preference import MODEL
 from tests.train.test_step import _free_port
 from xtl.rl import GRPOModule, PolicyLossConfig
@@ -27,7 +28,6 @@ from xtl.rl.loss import loss_normalizer
 from xtl.rl.packing import pack_sequences
 from xtl.rl.rollout import SamplingSettings
 from xtl.strategies import SingleDevice
-from xtl.strategies.layout import ParallelLayout, ParallelMeshes
 from xtl.train.generation import GenerationConfig, generate
 from xtl.train.step import forward_backward
 
@@ -101,12 +101,8 @@ def _run(module: GRPOModule, world: int, group) -> dict:
     result = forward_backward(forward, [device_mb], lambda m: m.num_items, world, lambda x: x.backward(), "cpu", group)
     with torch.no_grad():
         logps, entropy = module._token_logps(module.model, device_mb, with_entropy=True)
-    loss, grads = result.loss_sum.clone(), {n: p.grad.clone() for n, p in module.model.named_parameters()}
-    if group is not None:
-        dist.all_reduce(loss, group=group)
-        for grad in grads.values():
-            dist.all_reduce(grad, group=group)
-            grad /= world
+    grads = {name: param.grad for name, param in module.model.named_parameters()}
+    loss, grads = averaged_over_ranks(result.loss_sum, grads, group, world)
     return {
         "old_logps": mb.old_logps, "ref_logps": mb.ref_logps, "logps": logps, "entropy": entropy,
         "items": float(result.global_tokens), "loss": loss / result.global_tokens, "grads": grads,
@@ -117,12 +113,8 @@ def _worker(rank: int, port: int, out_path: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=CP)
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh("cpu", (CP,), mesh_dim_names=("cp",))
-    strategy = SingleDevice()
-    strategy.meshes = ParallelMeshes(ParallelLayout(cp=CP), mesh, None, None, None, mesh)
-    strategy.layout = ParallelLayout(cp=CP)
+    strategy = one_group_strategy(CP)
+    mesh = strategy.meshes.cp
     results: dict = {}
     for case, settings in CASES.items():
         objective = PolicyLossConfig(**settings)

@@ -29,7 +29,8 @@ from xtl.data import IGNORE_INDEX, Pack, collate_pack
 from xtl.data.collate import split_for_context_parallel
 from xtl.data.multimodal import VisionPack
 from xtl.errors import ConfigError
-from xtl.strategies.layout import ParallelLayout
+from xtl.strategies import SingleDevice
+from xtl.strategies.layout import ParallelLayout, ParallelMeshes
 from xtl.train import resolve_model_config
 
 CP = 2
@@ -235,3 +236,29 @@ def _worker(rank: int, port: int, out_path: str) -> None:
         results[family] = {"loss": loss / tokens, "grads": grads, "methods": methods}
     torch.save(results, f"{out_path}.{rank}")
     dist.destroy_process_group()
+
+
+def one_group_strategy(cp: int) -> SingleDevice:
+    """A strategy whose ``cp`` processes (the default group, initialized) form one context-parallel group, laid out as
+    ``FSDPStrategy`` lays out ``cp`` processes (the group is also the data group); parameters are not sharded."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (cp,), mesh_dim_names=("cp",))
+    strategy = SingleDevice()
+    strategy.layout = ParallelLayout(cp=cp)
+    strategy.meshes = ParallelMeshes(strategy.layout, mesh, None, None, None, mesh)
+    return strategy
+
+
+def averaged_over_ranks(
+    loss_sum: torch.Tensor, grads: dict[str, torch.Tensor], group: dist.ProcessGroup | None, world: int
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The step's loss sum over the ranks and its gradients averaged over them, as FSDP reduces them (``group`` None:
+    one process, unchanged)."""
+    loss_sum, grads = loss_sum.clone(), {name: grad.clone() for name, grad in grads.items()}
+    if group is not None:
+        dist.all_reduce(loss_sum, group=group)
+        for grad in grads.values():
+            dist.all_reduce(grad, group=group)
+            grad /= world
+    return loss_sum, grads

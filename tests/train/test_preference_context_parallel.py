@@ -20,11 +20,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests.strategies.test_context_parallel import averaged_over_ranks, one_group_strategy
 from tests.train.test_preference import MODEL, _pairs
 from tests.train.test_step import _free_port
 from xtl.data.collate import split_for_context_parallel
 from xtl.strategies import SingleDevice
-from xtl.strategies.layout import ParallelLayout, ParallelMeshes
 from xtl.train import PreferenceLoss, PreferenceModule
 from xtl.train.preference import _pair_logps, pair_count
 from xtl.train.reference_cache import compute_reference_table, pair_offsets
@@ -89,13 +89,8 @@ def _step(module: PreferenceModule, micro_batches: list, world: int, group) -> t
     module.model.zero_grad()
     forward, _ = module.step_objective(micro_batches)
     result = forward_backward(forward, micro_batches, pair_count, world, lambda loss: loss.backward(), "cpu", group)
-    loss = result.loss_sum.clone()
-    grads = {name: param.grad.clone() for name, param in module.model.named_parameters()}
-    if group is not None:
-        dist.all_reduce(loss, group=group)
-        for grad in grads.values():
-            dist.all_reduce(grad, group=group)
-            grad /= world
+    grads = {name: param.grad for name, param in module.model.named_parameters()}
+    loss, grads = averaged_over_ranks(result.loss_sum, grads, group, world)
     return loss / result.global_tokens, grads, int(result.global_tokens)
 
 
@@ -112,12 +107,8 @@ def _worker(rank: int, port: int, out_path: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=CP)
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh("cpu", (CP,), mesh_dim_names=("cp",))
-    strategy = SingleDevice()
-    strategy.meshes = ParallelMeshes(ParallelLayout(cp=CP), mesh, None, None, None, mesh)
-    strategy.layout = ParallelLayout(cp=CP)
+    strategy = one_group_strategy(CP)
+    mesh = strategy.meshes.cp
     results = {}
     for case, settings in CASES.items():
         objective = PreferenceLoss(**settings)
