@@ -214,10 +214,10 @@ FEATURES = (
         (),
         "model:\n  class_path: xtl.train.PreferenceModule\n  init_args:\n"
         "    objective: {loss_type: sigmoid, beta: 0.1}\n    reference: precomputed\n"
-        "data:\n  sources: [{path: tiny:preference_train.jsonl, kind: preference}]\n",
+        "data:\n  sources: [{path: tiny:preference_train.jsonl, kind: preference, sample_ratio: 0.01}]\n",
         "objective",
         "DPO with the reference's log-probabilities precomputed before the first step (one pass sharded like the "
-        "data; under CP each rank scores its share of every pack)",
+        "data, here over 60 of the tiny pairs; under CP each rank scores its share of every pack)",
     ),
     Feature(
         "dpo_synced",
