@@ -70,6 +70,16 @@ class MetricRecorder(pl.Callback):
         self.steps[trainer.global_step] = {k: v.item() for k, v in trainer.callback_metrics.items()}
 
 
+class StartingWeights(pl.Callback):
+    """The module's weights when training starts."""
+
+    def __init__(self) -> None:
+        self.weights: dict[str, torch.Tensor] = {}
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.weights = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
+
+
 def _fit(module, steps, root, callbacks=(), ckpt_path=None, every=None, datamodule=None):
     recorder = MetricRecorder()
     callbacks = [recorder, *callbacks]
@@ -177,6 +187,16 @@ class TestAdvantages:
         samples, advantages = module._advantages([Group({}, lone, 0), Group({}, whole, 0)])
         assert samples == whole and all(math.isfinite(a) for a in advantages)
         assert advantages == pytest.approx([-0.866, 0.866, -0.866, 0.866], abs=1e-3)
+
+    def test_an_update_whose_groups_were_all_dropped_steps_without_a_gradient(self, tmp_path) -> None:
+        """Every answer scores the same, so dynamic sampling drops every group: the update is a filler micro-batch
+        without completions, its loss 0, and the step runs (its backward still reaches the model)."""
+        module = _module(judger=FunctionJudger(lambda response, truth: 0.0), rollout=dict(dynamic_sampling=True))
+        start = StartingWeights()
+        steps, trainer = _fit(module, 2, tmp_path, [start])
+        assert [steps[s]["train/loss"] for s in (1, 2)] == [0.0, 0.0]
+        after = trainer.lightning_module.state_dict()
+        assert start.weights and all(torch.equal(v, after[k]) for k, v in start.weights.items()), "no signal, no step"
 
     def test_a_run_whose_judging_fails_trains_on_the_judged_groups(self, tmp_path) -> None:
         module = _module(judger=LoneJudgedSample(group_size=4))

@@ -151,11 +151,12 @@ def pack_values(
     """
     values = scores.logps if values is None else values
     wanted = wanted.to(values.device)
+    if not wanted.numel():  # nothing wanted (an update whose groups were all dropped): still part of the graph
+        return context_sum(values[:0], group)
+    index = torch.searchsorted(wanted, scores.positions).clamp(max=wanted.numel() - 1)
+    keep = scores.scored & (wanted.index_select(0, index) == scores.positions)
     whole = torch.zeros(wanted.numel(), dtype=values.dtype, device=values.device)
-    if wanted.numel():
-        index = torch.searchsorted(wanted, scores.positions).clamp(max=wanted.numel() - 1)
-        keep = scores.scored & (wanted.index_select(0, index) == scores.positions)
-        whole = whole.index_add(0, index, torch.where(keep, values, 0.0))
+    whole = whole.index_add(0, index, torch.where(keep, values, 0.0))
     return context_sum(whole, group)
 
 
