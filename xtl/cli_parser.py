@@ -38,6 +38,14 @@ class XTLArgumentParser(LightningArgumentParser):
         kwargs.setdefault("allow_abbrev", False)  # a prefix of a key is a typo, not that key
         super().__init__(*args, **kwargs)
 
+    def dump(self, namespace: Any, *args: Any, **kwargs: Any) -> str:
+        """Serialize a config without validating it again, unless ``skip_validation=False`` is passed: what xtl
+        dumps (the saved run config, the model's hyperparameters) was validated when it was parsed, and a second
+        validation of the whole config is a noticeable part of a short run's start-up."""
+        if "skip_check" not in kwargs:
+            kwargs.setdefault("skip_validation", True)
+        return super().dump(namespace, *args, **kwargs)
+
     def error(self, message: str, ex: Exception | None = None) -> None:
         """Print the problem and how to see the options, then exit 2 (``XTL_DEBUG=1``: the parser's own report)."""
         if debug_enabled():

@@ -15,6 +15,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 import traceback
 from collections.abc import Iterator
 from datetime import timedelta
@@ -56,10 +57,11 @@ def run_cell(args: list[str], run_dir: Path) -> dict:
 
     Returns:
         ``rc`` (the exit code; ``-1`` for an exception that escaped ``xtl``), ``stderr`` (what xtl printed there),
-        ``traceback`` (of an escaped exception), ``losses`` (``train/loss`` per step as logged) and ``probe``
-        (what :class:`tests.composition.probe.Probe` recorded).
+        ``traceback`` (of an escaped exception), ``seconds`` (its wall time), ``losses`` (``train/loss`` per step as
+        logged) and ``probe`` (what :class:`tests.composition.probe.Probe` recorded).
     """
     result: dict = {"traceback": None}
+    start = time.perf_counter()
     with _captured_stderr() as err:
         try:
             result["rc"] = main(args)
@@ -69,6 +71,7 @@ def run_cell(args: list[str], run_dir: Path) -> dict:
             result["rc"] = -1
             result["traceback"] = traceback.format_exc()[-6000:]
     result["stderr"] = err["text"][-8000:]
+    result["seconds"] = round(time.perf_counter() - start, 2)
     if int(os.environ.get("RANK", "0")) != 0:  # rank 0 reads the run's files once they are complete
         return result
     metrics = sorted(run_dir.glob("logs/version_*/metrics.csv"))

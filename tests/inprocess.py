@@ -1,0 +1,52 @@
+"""Run an ``xtl`` command in the test's own process, as a new process would run it, with what it prints.
+
+A new Python process spends several seconds importing before it does anything; a one-process run in the test's process
+does not. Runs of more than one process (a second rank re-runs the command line) still need processes of their own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+
+from xtl.command import main
+
+
+def run_in_process(args: list[str], cwd: Path) -> tuple[int, str]:
+    """``xtl args`` run in this process from ``cwd``: the exit code and everything written to standard output and
+    error meanwhile (file descriptors 1 and 2, Python's streams and the console handlers of the loggers)."""
+    previous = Path.cwd()
+    loggers = [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]
+    consoles = [h for lg in loggers for h in getattr(lg, "handlers", ()) if type(h) is logging.StreamHandler]
+    with tempfile.TemporaryFile("w+b") as sink, open(os.dup(sink.fileno()), "w", closefd=True) as text:
+        saved = {fd: os.dup(fd) for fd in (1, 2)}
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for fd in saved:
+            os.dup2(sink.fileno(), fd)
+        streams = [handler.setStream(text) for handler in consoles]
+        os.chdir(cwd)
+        try:
+            with contextlib.redirect_stdout(text), contextlib.redirect_stderr(text):
+                try:
+                    code = main(args)
+                except SystemExit as exit_:
+                    code = int(exit_.code or 0)
+                except Exception:  # a bug: shown by the caller's assertion
+                    code = -1
+                    text.write(traceback.format_exc())
+        finally:
+            text.flush()
+            os.chdir(previous)
+            for handler, stream in zip(consoles, streams):
+                handler.setStream(stream)
+            for fd, copy in saved.items():
+                os.dup2(copy, fd)
+                os.close(copy)
+        sink.seek(0)
+        return code, sink.read().decode(errors="replace")
