@@ -31,7 +31,7 @@ def _images(notebook: nbformat.NotebookNode) -> int:
 class TestNotebooks:
     @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
     def test_executes_plots_inline_and_cleans_up(self, path, tmp_path, monkeypatch):
-        monkeypatch.setenv("XTL_NOTEBOOK_STEPS", "30")
+        monkeypatch.setenv("XTL_NOTEBOOK_STEPS", "10")
         temp = Path(tempfile.gettempdir())
         before = set(temp.glob("xtl_*"))
         notebook = nbformat.read(path, as_version=4)
