@@ -22,6 +22,7 @@ import multiprocessing as mp
 import os
 import shutil
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -296,15 +297,19 @@ def _run_tasks(tasks: list[tuple[int, int]], source: Source, fn: TokenizeFn, num
         gc.collect()
     previous = os.environ.get("TOKENIZERS_PARALLELISM")
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # each worker is one process; no Rust thread pool inside
+    context = mp.get_context(method)
+    pool = ProcessPoolExecutor(num_proc, mp_context=context, initializer=_init_worker, initargs=(source, fn))
     try:
-        pool = mp.get_context(method).Pool(num_proc, initializer=_init_worker, initargs=(source, fn))
+        results = pool.map(_tokenize_range, tasks)  # submits every task: the workers start now, with the setting
     finally:
         if previous is None:
             os.environ.pop("TOKENIZERS_PARALLELISM", None)
         else:
             os.environ["TOKENIZERS_PARALLELISM"] = previous
-    with pool:
-        yield from pool.imap(_tokenize_range, tasks)
+    try:
+        yield from results
+    finally:  # a task's error: the queued tasks are dropped, the running ones end (``Pool.terminate`` could hang)
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _load_entry(target: Path, name: str) -> TokenizedCache | None:
