@@ -29,7 +29,9 @@ def run_in_process(args: list[str], cwd: Path) -> tuple[int, str]:
         sys.stderr.flush()
         for fd in saved:
             os.dup2(sink.fileno(), fd)
-        streams = [handler.setStream(text) for handler in consoles]
+        streams = [handler.stream for handler in consoles]  # swapped as is: an earlier test's may be closed
+        for handler in consoles:
+            handler.stream = text
         os.chdir(cwd)
         try:
             with contextlib.redirect_stdout(text), contextlib.redirect_stderr(text):
@@ -44,7 +46,7 @@ def run_in_process(args: list[str], cwd: Path) -> tuple[int, str]:
             text.flush()
             os.chdir(previous)
             for handler, stream in zip(consoles, streams):
-                handler.setStream(stream)
+                handler.stream = stream
             for fd, copy in saved.items():
                 os.dup2(copy, fd)
                 os.close(copy)

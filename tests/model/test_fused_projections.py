@@ -35,7 +35,9 @@ def checkpoint(tmp_path_factory, tiny_hf_dir):
     return make
 
 
-def _load(path, fused: bool, dtype: torch.dtype = torch.float32):
+def load_fused(path, fused: bool, dtype: torch.dtype | None = torch.float32):
+    """The checkpoint at ``path`` as an xtl model with or without fused projections, cast to ``dtype`` (``None``:
+    each tensor in the dtype it was stored in)."""
     config = get_model_config_from_hf(path)
     config.fused_projections = fused
     if hasattr(config, "text_config"):
@@ -43,7 +45,7 @@ def _load(path, fused: bool, dtype: torch.dtype = torch.float32):
     with torch.device("meta"):
         model = config.build()
     model.from_hf(path)
-    return model.to(dtype)
+    return model if dtype is None else model.to(dtype)
 
 
 def _all_tensors(path):
@@ -73,18 +75,18 @@ def _loss_and_grads(model, ids: torch.Tensor, labels: torch.Tensor):
 class TestFusedModules:
     @pytest.mark.parametrize("variant", DENSE + MOE + VLM)
     def test_fused_layers_replace_the_separate_projections(self, checkpoint, variant):
-        model = _load(checkpoint(variant), fused=True)
+        model = load_fused(checkpoint(variant), fused=True)
         names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
         assert has_fused_projections(model) and not names & {"gate_proj", "up_proj"}, names
         if variant != "gpt_oss":  # GPT-OSS has routed experts only: no gated MLP
             assert "gate_up_proj" in names, names
         if variant != "deepseek_v3":  # multi-head latent attention has no q/k/v projections of one input
             assert "qkv_proj" in names and not names & {"q_proj", "k_proj", "v_proj"}, names
-        assert not has_fused_projections(_load(checkpoint(variant), fused=False))
+        assert not has_fused_projections(load_fused(checkpoint(variant), fused=False))
 
     @pytest.mark.parametrize("variant", ["qwen2", "qwen3", "gpt_oss"])
     def test_fused_weight_and_bias_are_the_parts_stacked(self, checkpoint, variant):
-        fused, plain = _load(checkpoint(variant), fused=True), _load(checkpoint(variant), fused=False)
+        fused, plain = load_fused(checkpoint(variant), fused=True), load_fused(checkpoint(variant), fused=False)
         attn, ref = fused.layers[0].self_attn, plain.layers[0].self_attn
         for name in ("weight", "bias") if variant != "qwen3" else ("weight",):
             parts = [getattr(getattr(ref, p), name) for p in ("q_proj", "k_proj", "v_proj")]
@@ -96,7 +98,7 @@ class TestCheckpointKeys:
     @pytest.mark.parametrize("variant", DENSE + MOE + VLM)
     def test_save_writes_the_separate_projections_byte_identical(self, checkpoint, tmp_path, variant, dtype):
         src = checkpoint(variant, dtype)
-        fused, plain = _load(src, fused=True), _load(src, fused=False)
+        fused, plain = load_fused(src, fused=True), load_fused(src, fused=False)
         fused.save_hf(tmp_path / "fused")
         plain.save_hf(tmp_path / "plain")
         before, after = _all_tensors(src), _all_tensors(tmp_path / "fused")
@@ -107,7 +109,7 @@ class TestCheckpointKeys:
             assert (tmp_path / "fused" / file.name).read_bytes() == file.read_bytes(), file.name
 
     def test_hf_keys_expand_to_the_parts_in_row_order(self, checkpoint):
-        model = _load(checkpoint("qwen3"), fused=True)
+        model = load_fused(checkpoint("qwen3"), fused=True)
         assert model.hf_keys("layers.1.self_attn.qkv_proj.weight") == [
             f"model.layers.1.self_attn.{p}_proj.weight" for p in "qkv"
         ]
@@ -129,8 +131,8 @@ class TestNumerics:
         src = checkpoint(variant, dtype)
         torch.manual_seed(0)
         ids = torch.randint(0, 150, (2, 20))
-        fused = _loss_and_grads(_load(src, fused=True, dtype=dtype), ids, ids)
-        plain = _loss_and_grads(_load(src, fused=False, dtype=dtype), ids, ids)
+        fused = _loss_and_grads(load_fused(src, fused=True, dtype=dtype), ids, ids)
+        plain = _loss_and_grads(load_fused(src, fused=False, dtype=dtype), ids, ids)
         assert torch.equal(fused[0], plain[0]) and torch.equal(fused[1], plain[1])
         assert fused[2].keys() == plain[2].keys()
         for name, grad in plain[2].items():  # a VLM's vision tower has no gradient from text alone
@@ -140,7 +142,7 @@ class TestNumerics:
     def test_hf_impl_matches_transformers(self, checkpoint):
         src = checkpoint("qwen2")
         hf = AutoModelForCausalLM.from_pretrained(src, attn_implementation="eager").eval()
-        model = _load(src, fused=True).eval()
+        model = load_fused(src, fused=True).eval()
         ids = torch.randint(0, 150, (2, 20))
         out_hf, out = hf(input_ids=ids, labels=ids), model(input_ids=ids, labels=ids)
         assert torch.equal(out_hf.logits, out.logits) and torch.equal(out_hf.loss, out.loss)
@@ -151,8 +153,8 @@ class TestNumerics:
         src = checkpoint(variant)
         torch.manual_seed(0)
         ids = torch.randint(0, 150, (2, 20))
-        fused = _loss_and_grads(_load(src, fused=True), ids, ids)
-        plain = _loss_and_grads(_load(src, fused=False), ids, ids)
+        fused = _loss_and_grads(load_fused(src, fused=True), ids, ids)
+        plain = _loss_and_grads(load_fused(src, fused=False), ids, ids)
         torch.testing.assert_close(fused[1], plain[1], rtol=1e-5, atol=0)
         torch.testing.assert_close(fused[0], plain[0], rtol=1e-5, atol=1e-5)
         for name, grad in plain[2].items():
@@ -164,7 +166,7 @@ class TestRefusals:
         from xtl.callbacks import LoRA
 
         with pytest.raises(ConfigError, match="fused_projections: false"):
-            LoRA().transform_model(_load(checkpoint("qwen3"), fused=True))
+            LoRA().transform_model(load_fused(checkpoint("qwen3"), fused=True))
 
 
 class TestInit:

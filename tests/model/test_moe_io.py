@@ -16,6 +16,7 @@ from xtl.module.norm import RMSNorm
 from xtl.module.router import NoAuxTopKRouter
 from xtl.ops.moe_loss import balance_loss
 
+from .test_hf_io import assert_same_tensors
 from .test_moe_parity import VARIANTS, build_tiny_moe, save_tiny_moe
 
 
@@ -119,10 +120,7 @@ class TestMoESaveHF:
         assert {t.dtype for t in before.values()} == {torch.bfloat16}
         _load(src).save_hf(tmp_path / "out")
         after = _all_tensors(tmp_path / "out")
-        assert set(after) == set(before)
-        for key, tensor in before.items():
-            assert after[key].dtype == tensor.dtype, key
-            assert torch.equal(after[key].view(torch.uint8), tensor.view(torch.uint8)), key
+        assert_same_tensors(after, before)
 
     def test_a_model_from_scratch_saves_in_the_config_dtype_with_its_fp32_tensors(self, tiny_moe_dir, tmp_path):
         config = get_model_config_from_hf(tiny_moe_dir("deepseek_v3"))

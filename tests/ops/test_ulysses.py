@@ -8,9 +8,8 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from tests.train.test_step import _free_port
+from tests.strategies.test_context_parallel import spawned_results
 from xtl.ops.allgather_kv import AllGatherKVAttention
 from xtl.ops.attention import AttentionMaskSpec, eager_attention, sdpa_attention
 from xtl.ops.ulysses import UlyssesAttention, ulysses_kv_repeats
@@ -44,9 +43,7 @@ class TestKVRepeats:
 @pytest.fixture(scope="module")
 def cp_results(tmp_path_factory) -> list[dict]:
     """Each rank's output and gradients of every case, from one spawn of 2 processes."""
-    out = tmp_path_factory.mktemp("ulysses") / "results.pt"
-    mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=CP, join=True)
-    return [torch.load(f"{out}.{rank}") for rank in range(CP)]
+    return spawned_results(_worker, tmp_path_factory.mktemp("ulysses"))
 
 
 @pytest.mark.distributed

@@ -12,17 +12,14 @@ one process decodes.
 
 from __future__ import annotations
 
-import os
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from tests.strategies.test_context_parallel import averaged_over_ranks, one_group_strategy
+from tests.strategies.test_context_parallel import averaged_over_ranks, join_one_group, spawned_results
 from tests.train.test_preference import MODEL
-from tests.train.test_step import _free_port
 from xtl.rl import GRPOModule, PolicyLossConfig
 from xtl.rl.loss import loss_normalizer
 from xtl.rl.packing import pack_sequences
@@ -55,9 +52,7 @@ TOL = {
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> list[dict]:
-    out = tmp_path_factory.mktemp("grpo_cp") / "results.pt"
-    mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=CP, join=True)
-    return [torch.load(f"{out}.{rank}") for rank in range(CP)]
+    return spawned_results(_worker, tmp_path_factory.mktemp("grpo_cp"))
 
 
 @pytest.mark.distributed
@@ -110,10 +105,7 @@ def _run(module: GRPOModule, world: int, group) -> dict:
 
 
 def _worker(rank: int, port: int, out_path: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=CP)
-    strategy = one_group_strategy(CP)
+    strategy = join_one_group(rank, port)
     mesh = strategy.meshes.cp
     results: dict = {}
     for case, settings in CASES.items():

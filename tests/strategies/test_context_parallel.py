@@ -14,6 +14,7 @@ import csv
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -105,12 +106,18 @@ class TestContextParallelLayout:
             ParallelLayout.for_world(**kwargs)
 
 
+def spawned_results(worker: Callable[[int, int, str], None], folder: Path, nprocs: int = CP) -> list[dict]:
+    """Run ``worker(rank, port, out_path)`` on ``nprocs`` spawned processes (one gloo group); each rank's results, as
+    the worker saved them to ``f"{out_path}.{rank}"``."""
+    out = folder / "results.pt"
+    mp.spawn(worker, args=(_free_port(), str(out)), nprocs=nprocs, join=True)
+    return [torch.load(f"{out}.{rank}") for rank in range(nprocs)]
+
+
 @pytest.fixture(scope="module")
 def cp_results(tmp_path_factory) -> list[dict]:
     """Each rank's loss and all-reduced gradients for every model, from one spawn of 2 processes."""
-    out = tmp_path_factory.mktemp("cp") / "results.pt"
-    mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=CP, join=True)
-    return [torch.load(f"{out}.{rank}") for rank in range(CP)]
+    return spawned_results(_worker, tmp_path_factory.mktemp("cp"))
 
 
 @pytest.mark.distributed
@@ -236,6 +243,14 @@ def _worker(rank: int, port: int, out_path: str) -> None:
         results[family] = {"loss": loss / tokens, "grads": grads, "methods": methods}
     torch.save(results, f"{out_path}.{rank}")
     dist.destroy_process_group()
+
+
+def join_one_group(rank: int, port: int, cp: int = CP) -> SingleDevice:
+    """Join this spawned process (one thread) to the gloo group of ``cp`` processes; :func:`one_group_strategy`."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=cp)
+    return one_group_strategy(cp)
 
 
 def one_group_strategy(cp: int) -> SingleDevice:

@@ -12,17 +12,14 @@ one rank of the group contributing each pair).
 from __future__ import annotations
 
 import dataclasses
-import os
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from tests.strategies.test_context_parallel import averaged_over_ranks, one_group_strategy
+from tests.strategies.test_context_parallel import averaged_over_ranks, join_one_group, spawned_results
 from tests.train.test_preference import MODEL, _pairs
-from tests.train.test_step import _free_port
 from xtl.data.collate import split_for_context_parallel
 from xtl.strategies import SingleDevice
 from xtl.train import PreferenceLoss, PreferenceModule
@@ -50,9 +47,7 @@ TOL = {"rtol": 1e-5, "atol": 1e-6}
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> list[dict]:
-    out = tmp_path_factory.mktemp("preference_cp") / "results.pt"
-    mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=CP, join=True)
-    return [torch.load(f"{out}.{rank}") for rank in range(CP)]
+    return spawned_results(_worker, tmp_path_factory.mktemp("preference_cp"))
 
 
 @pytest.mark.distributed
@@ -104,10 +99,7 @@ def _table(module: PreferenceModule, mb, collate, group, contributes: bool) -> t
 
 
 def _worker(rank: int, port: int, out_path: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=CP)
-    strategy = one_group_strategy(CP)
+    strategy = join_one_group(rank, port)
     mesh = strategy.meshes.cp
     results = {}
     for case, settings in CASES.items():
