@@ -297,9 +297,9 @@ def _run_tasks(tasks: list[tuple[int, int]], source: Source, fn: TokenizeFn, num
         gc.collect()
     previous = os.environ.get("TOKENIZERS_PARALLELISM")
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # each worker is one process; no Rust thread pool inside
-    context = mp.get_context(method)
-    pool = ProcessPoolExecutor(num_proc, mp_context=context, initializer=_init_worker, initargs=(source, fn))
     try:
+        context = mp.get_context(method)
+        pool = ProcessPoolExecutor(num_proc, mp_context=context, initializer=_init_worker, initargs=(source, fn))
         results = pool.map(_tokenize_range, tasks)  # submits every task: the workers start now, with the setting
     finally:
         if previous is None:
