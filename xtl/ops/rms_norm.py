@@ -79,7 +79,14 @@ def add_rms_norm_triton(
 
 
 def rms_norm_hf(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm with transformers' op order: fp32 statistics, cast back, then scale."""
+    """RMSNorm with transformers' op order: fp32 statistics, cast back, then scale.
+
+    For fp32 ``x`` and ``weight`` on CPU this is one ``torch.nn.functional.rms_norm`` call: its CPU kernel runs
+    these very ops (forward and backward bitwise equal, ``tests/ops/test_rms_norm.py``) without a Python call per
+    op, which counts in decoding, where each op is small.
+    """
+    if x.dtype == weight.dtype == torch.float32 and x.device.type == "cpu":
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
     input_dtype = x.dtype
     hidden = x.to(torch.float32)
     variance = hidden.pow(2).mean(-1, keepdim=True)
