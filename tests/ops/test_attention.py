@@ -250,3 +250,32 @@ class TestBucketPlanAcrossModes:
         q = torch.randn(1, 2, 13, 4, requires_grad=True)
         attend_by_document_length(q, q, q, bounds, attend, bucket=4).sum().backward()
         assert q.grad is not None
+
+
+class TestDecodingMasks:
+    """One query over cached keys (a decoding step): the masks shared by the layers of the forward."""
+
+    @pytest.mark.parametrize("window", [None, 3, 50])
+    def test_one_query_mask_equals_the_general_formula(self, window) -> None:
+        padding = torch.ones(3, 9, dtype=torch.bool)
+        padding[0, :4] = False
+        spec = AttentionMaskSpec(padding_mask=padding, sliding_window=window)
+        k_idx = torch.arange(9)
+        allowed = (k_idx <= 8) & (k_idx > 8 - (window or 9))
+        expected = allowed[None, None, None, :] & padding[:, None, None, :]
+        assert torch.equal(spec.boolean_mask(3, 1, torch.device("cpu"), 9), expected)
+
+    def test_sdpa_mask_gives_the_boolean_masks_output_and_is_built_once(self) -> None:
+        torch.manual_seed(0)
+        q, k, v = torch.randn(3, 4, 1, 8), torch.randn(3, 2, 9, 8), torch.randn(3, 2, 9, 8)
+        padding = torch.ones(3, 9, dtype=torch.bool)
+        padding[1, :5] = False
+        spec = AttentionMaskSpec(padding_mask=padding)
+        additive = spec.sdpa_mask(3, 1, torch.float32, torch.device("cpu"), 9)
+        assert spec.sdpa_mask(3, 1, torch.float32, torch.device("cpu"), 9) is additive
+        assert spec.with_window(None) is spec  # the layers share the spec and its masks
+        allowed = spec.boolean_mask(3, 1, torch.device("cpu"), 9)
+        boolean = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True)
+        out = sdpa_attention(q, k, v, spec, 8**-0.5)
+        assert torch.equal(out, boolean.transpose(1, 2))
+        torch.testing.assert_close(out, _reference(q, k, v, allowed, 8**-0.5))

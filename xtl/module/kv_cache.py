@@ -120,11 +120,13 @@ class KVCache:
             raise ValueError(
                 f"KVCache max_length {self.max_length} is too small: {self.length} cached + {seq_len} new tokens"
             )
-        real = torch.ones((), dtype=torch.bool, device=device)
-        if mask.padding_mask is not None:
+        slots = self._key_mask(device).narrow(1, self.length, seq_len)
+        if mask.padding_mask is None:  # every token is real (decoding steps): no mask to read back
+            slots.fill_(True)
+        else:
             real = mask.padding_mask.to(device).bool()
             self._padded = self._padded or not bool(real.all())
-        self._key_mask(device).narrow(1, self.length, seq_len).copy_(real)
+            slots.copy_(real)
         self._start, self._index, self._attend_cached = self.length, None, True
         self.length += seq_len
         padding = self.key_mask.narrow(1, 0, self.length) if self._padded else None

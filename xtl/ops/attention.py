@@ -107,6 +107,8 @@ class AttentionMaskSpec:
 
     def with_window(self, sliding_window: int | None) -> AttentionMaskSpec:
         """The same spec for a layer with the given sliding window (sharing the masks built for the forward)."""
+        if sliding_window == self.sliding_window:
+            return self
         return replace(self, sliding_window=sliding_window)
 
     def boolean_mask(self, batch: int, seq_len: int, device: torch.device, kv_len: int | None = None) -> torch.Tensor:
@@ -117,6 +119,12 @@ class AttentionMaskSpec:
         kv_len = seq_len if kv_len is None else kv_len
         key = (batch, seq_len, kv_len, self.sliding_window, device)
         if key in self.built:
+            return self.built[key]
+        if seq_len == 1 and self.cu_seq_lens is None and (self.sliding_window or kv_len) >= kv_len:
+            # one query, the last position: it sees every key that holds a token (decoding)
+            if self.padding_mask is None:
+                return torch.ones(batch, 1, 1, kv_len, dtype=torch.bool, device=device)
+            self.built[key] = self.padding_mask.bool().to(device)[:, None, None, :].expand(batch, 1, 1, kv_len)
             return self.built[key]
         k_idx = torch.arange(kv_len, device=device)
         q_idx = k_idx[kv_len - seq_len :, None]
@@ -133,6 +141,23 @@ class AttentionMaskSpec:
         if kv_len != seq_len:  # decoding with cached keys: every layer of the forward asks for the same mask
             self.built[key] = allowed
         return allowed
+
+    def sdpa_mask(
+        self, batch: int, seq_len: int, dtype: torch.dtype, device: torch.device, kv_len: int
+    ) -> torch.Tensor:
+        """:meth:`boolean_mask` as the additive ``dtype`` mask SDPA makes of it (0 allowed, ``-inf`` hidden).
+
+        With cached keys it is built once per forward and shared by the layers (SDPA would convert the boolean
+        mask again in every layer); the attention output is the same as with the boolean mask.
+        """
+        key = ("sdpa", batch, seq_len, kv_len, self.sliding_window, dtype, device)
+        if key in self.built:
+            return self.built[key]
+        allowed = self.boolean_mask(batch, seq_len, device, kv_len)
+        additive = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
+        if kv_len != seq_len:
+            self.built[key] = additive
+        return additive
 
     def banded_causal_mask(self, length: int, device: torch.device) -> torch.Tensor:
         """``(L, L)`` boolean causal mask of one document under this spec's sliding window (True: allowed).
@@ -424,7 +449,10 @@ def _sdpa_masked(
         # one query per row, the last key: it sees every key
         out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=scaling, enable_gqa=gqa)
         return out.transpose(1, 2).contiguous()
-    allowed = mask.boolean_mask(q.shape[0], q.shape[2], q.device, k.shape[2])
+    if k.shape[2] != q.shape[2]:  # cached keys: the layers of the forward share one additive mask
+        allowed = mask.sdpa_mask(q.shape[0], q.shape[2], q.dtype, q.device, k.shape[2])
+    else:
+        allowed = mask.boolean_mask(q.shape[0], q.shape[2], q.device, k.shape[2])
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout, scale=scaling, enable_gqa=gqa)
     return out.transpose(1, 2).contiguous()
 

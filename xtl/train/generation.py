@@ -102,7 +102,6 @@ class GenerationOutput:
     logits: list[torch.Tensor] = field(default_factory=list)
 
 
-@torch.no_grad()
 def generate(
     model: BaseModel,
     prompts: Sequence[Sequence[int]],
@@ -113,6 +112,10 @@ def generate(
     stop_when: Callable[[list[list[int]]], Sequence[bool]] | None = None,
 ) -> GenerationOutput:
     """Decode continuations of ``prompts`` with a KV cache (the model runs in eval mode meanwhile).
+
+    Decoding runs under ``torch.inference_mode`` (less work per op than ``torch.no_grad``, which counts when each
+    op is small), or under ``torch.no_grad`` when the parameters are sharded (DTensors): FSDP2 allocates its
+    gathered parameters on first use, and they must not be inference tensors when training uses them.
 
     Args:
         model: An xtl model (dense or MoE family).
@@ -141,8 +144,11 @@ def generate(
         generator = torch.Generator(device=device).manual_seed(config.seed)
     was_training = model.training
     model.eval()
+    sharded = any(isinstance(p, DTensor) for p in model.parameters())
     try:
-        return _decode(model, [list(p) for p in prompts], config, generator, output_logits, device, group, stop_when)
+        with torch.no_grad() if sharded else torch.inference_mode():
+            prompts = [list(p) for p in prompts]
+            return _decode(model, prompts, config, generator, output_logits, device, group, stop_when)
     finally:
         model.train(was_training)
 
@@ -250,23 +256,25 @@ def _decode(
     positions = torch.tensor(lengths, device=device)[:, None]
     stop = torch.tensor(config.stop_token_ids, dtype=torch.long, device=device)
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
-    ones = torch.ones(batch, 1, dtype=torch.long, device=device)
     steps: list[torch.Tensor] = []
     kept: list[torch.Tensor] = []
     ends = [config.max_new_tokens] * batch  # where stop_when ended each sequence
+    # without stop tokens, stop_when or a group to keep in step with, every sequence runs the whole budget: no
+    # per-step stop bookkeeping, and no device-to-host sync
+    may_stop = bool(config.stop_token_ids) or stop_when is not None or group is not None
     for step in range(config.max_new_tokens):
         if output_logits:
             kept.append(logits)
-        token = sample_next(logits, config, generator).masked_fill(finished, config.pad_token_id)
+        token = sample_next(logits, config, generator)
+        if may_stop:
+            token = token.masked_fill(finished, config.pad_token_id)
+            finished = finished | torch.isin(token, stop)
         steps.append(token)
-        finished = finished | torch.isin(token, stop)
         if stop_when is not None:
             finished = _apply_stop_when(stop_when, steps, finished, ends, step)
-        if step + 1 == config.max_new_tokens or _all_finished(finished, group):
+        if step + 1 == config.max_new_tokens or (may_stop and _all_finished(finished, group)):
             break
-        out = model(
-            input_ids=token[:, None], attention_mask=ones, position_ids=positions, kv_cache=cache, logits_to_keep=1
-        )
+        out = model(input_ids=token[:, None], position_ids=positions, kv_cache=cache, logits_to_keep=1)
         positions = positions + 1
         logits = _last_logits(out.logits)
     rows = [row[:end] for row, end in zip(torch.stack(steps, dim=1).tolist(), ends)]
