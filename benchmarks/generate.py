@@ -11,7 +11,8 @@ GRPO-like shape (a group of samples per prompt, longer answers)::
 The model is the tiny Qwen3 of ``configs/tiny_sft.yaml`` (4 layers, width 128, vocab 1600) with random weights
 (seed ``--seed``), saved with ``save_pretrained`` and loaded by both sides in fp32: transformers
 (``AutoModelForCausalLM``, ``--attn`` attention) and xtl (``get_model_config_from_hf(dir).build()`` +
-``from_hf``, the same attention, separate projections as the recipe). The prompts are the first
+``from_hf``, the same attention, separate projections as the recipe; ``--fused``: xtl-only fused q/k/v and
+gate/up projections, labelled). The prompts are the first
 ``--batch / --group`` questions of the embedded tiny eval set rendered with the qwen3 chat template, each repeated
 ``--group`` times (transformers gets them left-padded). No stop token: both sides decode exactly ``--new-tokens``
 tokens per prompt, greedily (``--temperature 0``) or sampled with the same temperature / top-k / top-p on both
@@ -22,9 +23,10 @@ come from different random streams and are not compared); the same check runs in
 
 Protocol (``benchmarks/_paired.py``): threads pinned, ``--warmup`` untimed pairs, then ``--pairs`` pairs with the
 order alternating; each run is one ``generate`` call on the whole batch (prefill included), timed on the wall
-clock. Prints both configurations, tokens/s per side and the speed ratio xtl / transformers per pair (median,
-min..max). transformers runs under ``torch.inference_mode`` by default (``--peer-grad-mode no_grad``: under its
-own ``no_grad`` only); xtl's ``generate`` uses ``inference_mode`` by itself.
+clock (``--clock cpu``: the process's CPU time, which a shared machine's other work disturbs less). Prints both
+configurations, tokens/s per side and the speed ratio xtl / transformers per pair (median, min..max).
+transformers runs under ``torch.inference_mode`` by default (``--peer-grad-mode no_grad``: under its own
+``no_grad`` only); xtl's ``generate`` uses ``inference_mode`` by itself.
 """
 
 from __future__ import annotations
@@ -78,9 +80,10 @@ class Sides:
     spec: dict[str, Any]
 
 
-def build_sides(batch: int, group: int = 1, attn: str = "sdpa", seed: int = 0) -> Sides:
+def build_sides(batch: int, group: int = 1, attn: str = "sdpa", seed: int = 0, fused: bool = False) -> Sides:
     """Both models from the same random weights of the recipe's model, and ``batch`` prompts (``batch / group``
-    questions of the tiny eval set, each ``group`` times)."""
+    questions of the tiny eval set, each ``group`` times); ``fused``: xtl's q/k/v and gate/up projections are one
+    matmul each (``fused_projections``)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from xtl.model import get_model_config_from_hf
@@ -103,6 +106,7 @@ def build_sides(batch: int, group: int = 1, attn: str = "sdpa", seed: int = 0) -
         hf = AutoModelForCausalLM.from_pretrained(tmp, attn_implementation=attn, dtype=torch.float32).eval()
         xtl_config = get_model_config_from_hf(tmp)
         xtl_config.attn_impl = attn
+        xtl_config.fused_projections = fused
         model = xtl_config.build()
         model.from_hf(tmp)
         model.eval()
@@ -170,11 +174,16 @@ def run_xtl(sides: Sides, sampling: Sampling, prefill: str = "packed") -> list[l
     return generate(sides.xtl, sides.prompts, xtl_generation_config(sampling, prefill)).sequences
 
 
-def _timed(fn: Callable[[], list[list[int]]], tokens: int) -> Callable[[], float]:
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def _timed(fn: Callable[[], list[list[int]]], tokens: int, clock: str) -> Callable[[], float]:
+    now = CLOCKS[clock]
+
     def run() -> float:
-        start = time.perf_counter()
+        start = now()
         fn()
-        return tokens / (time.perf_counter() - start)
+        return tokens / (now() - start)
 
     return run
 
@@ -197,12 +206,21 @@ def main(argv: list[str] | None = None) -> None:
         default="inference_mode",
         help="transformers' generate inside torch.inference_mode, or under its own no_grad only",
     )
+    parser.add_argument(
+        "--fused", action="store_true", help="xtl-only: fused q/k/v and gate/up projections (fused_projections)"
+    )
+    parser.add_argument(
+        "--clock",
+        choices=tuple(CLOCKS),
+        default="wall",
+        help="time each run on the wall clock, or as the process's CPU time (steadier on a shared machine)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="weights and sampling seed")
     args = parser.parse_args(argv)
     pin_threads(args.threads)
 
     sampling = Sampling(args.new_tokens, args.temperature, args.top_p, args.top_k, args.seed)
-    sides = build_sides(args.batch, args.group, args.attn, args.seed)
+    sides = build_sides(args.batch, args.group, args.attn, args.seed, args.fused)
     xtl_config = xtl_generation_config(sampling, args.prefill)
     greedy = Sampling(args.new_tokens, seed=args.seed)
     same = run_xtl(sides, greedy, args.prefill) == run_hf(sides, greedy, args.peer_grad_mode)
@@ -216,7 +234,8 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"workload: {args.batch} sequences ({args.batch // args.group} prompts x {args.group}, {lengths[0]}.."
         f"{lengths[-1]} tokens) x {args.new_tokens} new tokens, {mode}, no stop token; threads={args.threads}; "
-        f"{args.pairs} pairs after {args.warmup} warm-up, order alternating; load {load_average()}"
+        f"{args.pairs} pairs after {args.warmup} warm-up, order alternating; {args.clock} clock; "
+        f"load {load_average()}"
     )
     print_configs(
         transformers={
@@ -226,7 +245,8 @@ def main(argv: list[str] | None = None) -> None:
             "grad_mode": args.peer_grad_mode,
         },
         xtl={
-            "model": f"get_model_config_from_hf(dir).build() + from_hf, attn_impl={args.attn}, separate projections",
+            "model": f"get_model_config_from_hf(dir).build() + from_hf, attn_impl={args.attn}, "
+            + ("fused q/k/v and gate/up projections (xtl-only)" if args.fused else "separate projections"),
             "generate": {
                 k: getattr(xtl_config, k) for k in ("max_new_tokens", "temperature", "top_k", "top_p", "prefill")
             },
@@ -236,8 +256,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     print("setup check: same greedy tokens on both sides: True")
     result = run_pairs(
-        _timed(lambda: run_xtl(sides, sampling, args.prefill), tokens),
-        _timed(lambda: run_hf(sides, sampling, args.peer_grad_mode), tokens),
+        _timed(lambda: run_xtl(sides, sampling, args.prefill), tokens, args.clock),
+        _timed(lambda: run_hf(sides, sampling, args.peer_grad_mode), tokens, args.clock),
         args.pairs,
         args.warmup,
         metric="tokens/s",
