@@ -4,7 +4,7 @@ objective, each side in its own process.
 Usage::
 
     python benchmarks/train_step.py [--recipe tiny --steps 51 --pairs 5 --warmup 1 --threads 1 --precision auto
-                                     --peers transformers,trl --hf-sampling group_by_length --hf-accum 1
+                                     --peers transformers,trl,trl-bfd --hf-sampling group_by_length --hf-accum 1
                                      --no-fused --compile none|layers|model]
     python benchmarks/train_step.py --recipe synthetic [--steps 21 --hidden 256 --layers 4 --samples 1000
                                                         --pack 2048]
@@ -18,22 +18,24 @@ Method:
    trains a larger Qwen3 (``--hidden``/``--layers``, loaded from a saved HF directory) on a generated chat SFT
    mix with a long-tailed length distribution (log-normal, median ~``--median`` tokens, clipped to 32..1024, 20%
    two-turn) in packs of ``--pack`` tokens, one pack per step.
-2. Setup (one spawned child; nothing in it is timed): the recipe is parsed by xtl's own CLI classes, xtl's
-   tokenization cache is built (warm for every xtl run) and the model's initial weights are saved as an HF
-   directory (every side starts from the same weights). The peers train on xtl's own samples: every document of
-   xtl's pack plan (tokenized by xtl's chat tokenize function with the recipe's template, truncated as xtl
-   truncates), saved as one dataset with ``input_ids``, ``labels`` (-100 outside xtl's loss mask: the assistant
-   turns) and the same mask as ``assistant_masks``. Setup asserts that every side scores the same tokens: the
-   supervised targets per document (labels after the causal shift) of xtl's collator (total), of the transformers
-   collator (per sample) and of TRL's packed, collated dataset (per document, matched by token ids) are identical;
-   that TRL's own chat route (``assistant_only_loss=True`` with a copy of the tokenizer's chat template carrying
-   ``{% generation %}`` markers) yields the same ids and mask on every sample; that TRL's padding-free batches give
-   the per-document logits on CPU SDPA (transformers derives a block-diagonal mask from packed ``position_ids``;
-   a control with attention across documents must differ); and that the peers' parameter groups and learning-rate
-   schedule equal xtl's. The transformers batch size is ``round(xtl useful tokens per step / mean sample length)``
-   so both sides see about the same number of useful tokens per optimizer step; transformers' length-grouped
-   sampler serves megabatches of 50 batches longest first, so its tokens per step match xtl's only over whole
-   megabatches: the tiny default of 51 steps times 50 (a note is printed otherwise).
+2. Setup (one spawned child; nothing in it is timed): the recipe is parsed by xtl's own CLI classes, xtl's tokenization
+   cache is built (warm for every xtl run) and the model's initial weights are saved as an HF directory (every side
+   starts from the same weights). The peers train on xtl's own samples: every document of xtl's pack plan (tokenized by
+   xtl's chat tokenize function with the recipe's template, truncated as xtl truncates), saved as one dataset with
+   ``input_ids``, ``labels`` (-100 outside xtl's loss mask: the assistant turns) and the same mask as
+   ``assistant_masks``. Setup asserts that every side scores the same tokens: the supervised targets per document
+   (labels after the causal shift) of xtl's collator (total), of the transformers collator (per sample) and of each TRL
+   row's prepared, collated dataset (per document, BFD packs split by ``seq_lengths``, matched by token ids) are
+   identical; that the ``trl`` row's sampler is length-grouped and no TRL row checkpoints activations; that TRL's own
+   chat route (``assistant_only_loss=True`` with a copy of the tokenizer's chat template carrying ``{% generation %}``
+   markers) yields the same ids and mask on every sample; that TRL's padding-free batches give the per-document logits
+   on CPU SDPA (transformers derives a block-diagonal mask from packed ``position_ids``; a control with attention
+   across documents must differ); and that the peers' parameter groups (sizes and weight decay, against
+   ``xtl.train.optim.param_groups`` on xtl's own model) and learning-rate schedule equal xtl's. The transformers (and
+   trl) batch size is ``round(xtl useful tokens per step / mean sample length)`` so both sides see about the same
+   number of useful tokens per optimizer step; transformers' length-grouped sampler serves megabatches of 50 batches
+   longest first, so its tokens per step match xtl's only over whole megabatches: the tiny default of 51 steps times 50
+   (a note is printed otherwise).
 3. xtl (own spawned child per run): the ``xtl fit`` objects (``XTLCLI(..., run=False)`` on the recipe with
    ``--trainer.max_steps``, ``--trainer.precision``, a fresh temporary ``default_root_dir``, the warm cache dir
    and the progress bar off; fused q/k/v and gate/up projections, ``model_overrides: {fused_projections: true}``,
@@ -46,15 +48,34 @@ Method:
 4. Peers (own spawned child per run; ``AutoModelForCausalLM`` with SDPA from the saved weights, CPU, ``bf16=True``
    when xtl runs ``bf16-mixed`` (accelerate's CPU autocast), fused AdamW over xtl's parameter groups (no decay on
    norms, biases, embeddings) with the recipe's lr/betas/eps/weight decay, xtl's warmup + cosine schedule to the
-   min lr ratio as a ``LambdaLR``, the recipe's clipping, no logging, no saving):
+   min lr ratio as a ``LambdaLR``, the recipe's clipping, no logging, no saving, no gradient checkpointing, no
+   ``torch_compile``, no Liger kernels, no dataloader workers; every one of these set explicitly, and each peer's
+   effective ``TrainingArguments`` / ``SFTConfig`` printed: the fields that differ from the class default plus every
+   speed-relevant field):
 
    - ``transformers``: ``transformers.Trainer`` with ``train_sampling_strategy=group_by_length`` (its
      length-grouped sampler), pad-to-longest batches (``DataCollatorForSeq2Seq``, labels padded with -100).
-   - ``trl``: ``trl.SFTTrainer`` on the pre-tokenized samples (``input_ids`` + ``assistant_masks``: TRL builds the
-     labels from the mask), ``packing=True``, ``packing_strategy="bfd"`` at the pack length, ``padding_free=True``
-     (one flattened row with ``position_ids``), one packed row per micro-batch and xtl's micro-batches per step as
-     gradient accumulation, and its default fused LM head (log-probs of supervised positions only, plus its
-     entropy/accuracy metrics every step).
+   - ``trl``: ``trl.SFTTrainer`` as a TRL user configures it on a CPU, on the pre-tokenized samples (``input_ids``
+     + ``assistant_masks``: TRL builds the labels from the mask). ``gradient_checkpointing=False`` (SFTConfig
+     defaults it to True: every layer's forward recomputed in backward, ~20% slower for nothing on this model), no
+     packing, the transformers peer's batch size, accumulation and length-grouped sampler, TRL's collator padding to
+     the longest sample. Why not packing: TRL's packing is BFD with ``padding_free`` (forced on with ``bfd``), built
+     for varlen flash attention; CPU SDPA has none, so transformers turns the packed ``position_ids`` into a
+     block-diagonal mask over the whole row and computes full-row attention (``trl-bfd`` below). With the tiny
+     recipe's documents (mean 32 tokens) in 512-token rows that is ~16x the attention work of per-document
+     attention; measured (tiny, fp32, 5 pairs), ``trl-bfd`` ran 3674 useful tokens per CPU second against this
+     row's 5417 (515.6 vs 293.8 ms per step), so length grouping without packing is what a TRL user picks here.
+   - ``trl-bfd``: ``SFTTrainer`` with ``packing=True``, ``packing_strategy="bfd"`` at the pack length,
+     ``padding_free=True`` (one flattened row with ``position_ids``), one packed row per micro-batch and xtl's
+     micro-batches per step as gradient accumulation, random row order: TRL's packing recipe, labelled with its CPU
+     fallback (masked full-row SDPA).
+
+   Both TRL rows run TRL's LM head, which ``SFTTrainer`` always installs (``add_fused_lm_head``; no config field
+   turns it off, and Liger's fused cross-entropy is refused): it scores only the supervised positions where Triton
+   runs (CUDA, XPU), but ``trl.kernels.chunked_logprob._use_triton`` is false on CPU, so there it projects and scores
+   every position of the batch (prompts and padding included, masked afterwards), folds the vocabulary tiles in torch
+   ops, computes entropy and top-1 for every position (its per-step metrics, even with logging off) and accumulates
+   the head's gradient GEMMs in fp32. Setup reads ``_use_triton`` from the installed trl and prints the fallback.
 5. Measured in each run: the clock runs from the end of step 1 (warm-up, excluded) to the end of the last step;
    useful tokens are the non-padding tokens of steps 2..N (``MicroBatch.num_real_tokens``; the collated
    ``attention_mask.sum()``; every token of a padding-free row), processed tokens include padding (``fill`` =
@@ -65,13 +86,13 @@ Method:
    body (train-batch start to end hooks: clipping, zero-grad, scheduler, logging) and the time between steps (data
    loading, loop and callback overhead). Whether forward ran under autocast (and its dtype) is recorded from inside
    the model.
-6. Protocol (``benchmarks/_paired.py``): threads pinned in every child (``--threads``, default 1), ``--warmup``
-   untimed repetitions, then ``--pairs`` (>= 5) timed ones whose order alternates (xtl, transformers, trl; then
-   trl, transformers, xtl; ...). Printed: every configuration, every repetition, and per peer the median ratio
-   xtl/peer with its min..max for useful tokens/s, for useful tokens per CPU second (process CPU time: with one
-   thread it barely moves when a shared machine deschedules a run, where wall-clock tokens/s can halve) and for
-   peak RSS; the median breakdown per side; the strongest peer (highest median useful tokens/s, the default
-   reference); and the acceptance check against it (tiny, bf16: useful tokens/s >= 1.3x at peak RSS <= 0.6x).
+6. Protocol (``benchmarks/_paired.py``): threads pinned in every child (``--threads``, default 1), ``--warmup`` untimed
+   repetitions, then ``--pairs`` (>= 5) timed ones whose order alternates (xtl, transformers, trl, trl-bfd; then
+   trl-bfd, trl, transformers, xtl; ...). Printed: every configuration, every repetition, and per peer the median ratio
+   xtl/peer with its min..max for useful tokens/s, for useful tokens per CPU second (process CPU time: with one thread
+   it barely moves when a shared machine deschedules a run, where wall-clock tokens/s can halve) and for peak RSS; the
+   median breakdown per side; the strongest peer (highest median useful tokens/s, the default reference); and the
+   acceptance check against it (tiny, bf16: useful tokens/s >= 1.3x at peak RSS <= 0.6x).
 
 The parent process stays stdlib-only (its children do all the work).
 """
