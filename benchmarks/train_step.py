@@ -4,7 +4,7 @@ objective, each side in its own process.
 Usage::
 
     python benchmarks/train_step.py [--recipe tiny --steps 51 --pairs 5 --warmup 1 --threads 1 --precision auto
-                                     --peers transformers,trl --hf-sampling group_by_length --hf-accum 1
+                                     --peers transformers,trl,trl-bfd --hf-sampling group_by_length --hf-accum 1
                                      --no-fused --compile none|layers|model]
     python benchmarks/train_step.py --recipe synthetic [--steps 21 --hidden 256 --layers 4 --samples 1000
                                                         --pack 2048]
@@ -18,22 +18,24 @@ Method:
    trains a larger Qwen3 (``--hidden``/``--layers``, loaded from a saved HF directory) on a generated chat SFT
    mix with a long-tailed length distribution (log-normal, median ~``--median`` tokens, clipped to 32..1024, 20%
    two-turn) in packs of ``--pack`` tokens, one pack per step.
-2. Setup (one spawned child; nothing in it is timed): the recipe is parsed by xtl's own CLI classes, xtl's
-   tokenization cache is built (warm for every xtl run) and the model's initial weights are saved as an HF
-   directory (every side starts from the same weights). The peers train on xtl's own samples: every document of
-   xtl's pack plan (tokenized by xtl's chat tokenize function with the recipe's template, truncated as xtl
-   truncates), saved as one dataset with ``input_ids``, ``labels`` (-100 outside xtl's loss mask: the assistant
-   turns) and the same mask as ``assistant_masks``. Setup asserts that every side scores the same tokens: the
-   supervised targets per document (labels after the causal shift) of xtl's collator (total), of the transformers
-   collator (per sample) and of TRL's packed, collated dataset (per document, matched by token ids) are identical;
-   that TRL's own chat route (``assistant_only_loss=True`` with a copy of the tokenizer's chat template carrying
-   ``{% generation %}`` markers) yields the same ids and mask on every sample; that TRL's padding-free batches give
-   the per-document logits on CPU SDPA (transformers derives a block-diagonal mask from packed ``position_ids``;
-   a control with attention across documents must differ); and that the peers' parameter groups and learning-rate
-   schedule equal xtl's. The transformers batch size is ``round(xtl useful tokens per step / mean sample length)``
-   so both sides see about the same number of useful tokens per optimizer step; transformers' length-grouped
-   sampler serves megabatches of 50 batches longest first, so its tokens per step match xtl's only over whole
-   megabatches: the tiny default of 51 steps times 50 (a note is printed otherwise).
+2. Setup (one spawned child; nothing in it is timed): the recipe is parsed by xtl's own CLI classes, xtl's tokenization
+   cache is built (warm for every xtl run) and the model's initial weights are saved as an HF directory (every side
+   starts from the same weights). The peers train on xtl's own samples: every document of xtl's pack plan (tokenized by
+   xtl's chat tokenize function with the recipe's template, truncated as xtl truncates), saved as one dataset with
+   ``input_ids``, ``labels`` (-100 outside xtl's loss mask: the assistant turns) and the same mask as
+   ``assistant_masks``. Setup asserts that every side scores the same tokens: the supervised targets per document
+   (labels after the causal shift) of xtl's collator (total), of the transformers collator (per sample) and of each TRL
+   row's prepared, collated dataset (per document, BFD packs split by ``seq_lengths``, matched by token ids) are
+   identical; that the ``trl`` row's sampler is length-grouped and no TRL row checkpoints activations; that TRL's own
+   chat route (``assistant_only_loss=True`` with a copy of the tokenizer's chat template carrying ``{% generation %}``
+   markers) yields the same ids and mask on every sample; that TRL's padding-free batches give the per-document logits
+   on CPU SDPA (transformers derives a block-diagonal mask from packed ``position_ids``; a control with attention
+   across documents must differ); and that the peers' parameter groups (sizes and weight decay, against
+   ``xtl.train.optim.param_groups`` on xtl's own model) and learning-rate schedule equal xtl's. The transformers (and
+   trl) batch size is ``round(xtl useful tokens per step / mean sample length)`` so both sides see about the same
+   number of useful tokens per optimizer step; transformers' length-grouped sampler serves megabatches of 50 batches
+   longest first, so its tokens per step match xtl's only over whole megabatches: the tiny default of 51 steps times 50
+   (a note is printed otherwise).
 3. xtl (own spawned child per run): the ``xtl fit`` objects (``XTLCLI(..., run=False)`` on the recipe with
    ``--trainer.max_steps``, ``--trainer.precision``, a fresh temporary ``default_root_dir``, the warm cache dir
    and the progress bar off; fused q/k/v and gate/up projections, ``model_overrides: {fused_projections: true}``,
@@ -46,15 +48,34 @@ Method:
 4. Peers (own spawned child per run; ``AutoModelForCausalLM`` with SDPA from the saved weights, CPU, ``bf16=True``
    when xtl runs ``bf16-mixed`` (accelerate's CPU autocast), fused AdamW over xtl's parameter groups (no decay on
    norms, biases, embeddings) with the recipe's lr/betas/eps/weight decay, xtl's warmup + cosine schedule to the
-   min lr ratio as a ``LambdaLR``, the recipe's clipping, no logging, no saving):
+   min lr ratio as a ``LambdaLR``, the recipe's clipping, no logging, no saving, no gradient checkpointing, no
+   ``torch_compile``, no Liger kernels, no dataloader workers; every one of these set explicitly, and each peer's
+   effective ``TrainingArguments`` / ``SFTConfig`` printed: the fields that differ from the class default plus every
+   speed-relevant field):
 
    - ``transformers``: ``transformers.Trainer`` with ``train_sampling_strategy=group_by_length`` (its
      length-grouped sampler), pad-to-longest batches (``DataCollatorForSeq2Seq``, labels padded with -100).
-   - ``trl``: ``trl.SFTTrainer`` on the pre-tokenized samples (``input_ids`` + ``assistant_masks``: TRL builds the
-     labels from the mask), ``packing=True``, ``packing_strategy="bfd"`` at the pack length, ``padding_free=True``
-     (one flattened row with ``position_ids``), one packed row per micro-batch and xtl's micro-batches per step as
-     gradient accumulation, and its default fused LM head (log-probs of supervised positions only, plus its
-     entropy/accuracy metrics every step).
+   - ``trl``: ``trl.SFTTrainer`` as a TRL user configures it on a CPU, on the pre-tokenized samples (``input_ids``
+     + ``assistant_masks``: TRL builds the labels from the mask). ``gradient_checkpointing=False`` (SFTConfig
+     defaults it to True: every layer's forward recomputed in backward, ~20% slower for nothing on this model), no
+     packing, the transformers peer's batch size, accumulation and length-grouped sampler, TRL's collator padding to
+     the longest sample. Why not packing: TRL's packing is BFD with ``padding_free`` (forced on with ``bfd``), built
+     for varlen flash attention; CPU SDPA has none, so transformers turns the packed ``position_ids`` into a
+     block-diagonal mask over the whole row and computes full-row attention (``trl-bfd`` below). With the tiny
+     recipe's documents (mean 32 tokens) in 512-token rows that is ~16x the attention work of per-document
+     attention; measured (tiny, fp32, 5 pairs), ``trl-bfd`` ran 3674 useful tokens per CPU second against this
+     row's 5417 (515.6 vs 293.8 ms per step), so length grouping without packing is what a TRL user picks here.
+   - ``trl-bfd``: ``SFTTrainer`` with ``packing=True``, ``packing_strategy="bfd"`` at the pack length,
+     ``padding_free=True`` (one flattened row with ``position_ids``), one packed row per micro-batch and xtl's
+     micro-batches per step as gradient accumulation, random row order: TRL's packing recipe, labelled with its CPU
+     fallback (masked full-row SDPA).
+
+   Both TRL rows run TRL's LM head, which ``SFTTrainer`` always installs (``add_fused_lm_head``; no config field
+   turns it off, and Liger's fused cross-entropy is refused): it scores only the supervised positions where Triton
+   runs (CUDA, XPU), but ``trl.kernels.chunked_logprob._use_triton`` is false on CPU, so there it projects and scores
+   every position of the batch (prompts and padding included, masked afterwards), folds the vocabulary tiles in torch
+   ops, computes entropy and top-1 for every position (its per-step metrics, even with logging off) and accumulates
+   the head's gradient GEMMs in fp32. Setup reads ``_use_triton`` from the installed trl and prints the fallback.
 5. Measured in each run: the clock runs from the end of step 1 (warm-up, excluded) to the end of the last step;
    useful tokens are the non-padding tokens of steps 2..N (``MicroBatch.num_real_tokens``; the collated
    ``attention_mask.sum()``; every token of a padding-free row), processed tokens include padding (``fill`` =
@@ -65,13 +86,13 @@ Method:
    body (train-batch start to end hooks: clipping, zero-grad, scheduler, logging) and the time between steps (data
    loading, loop and callback overhead). Whether forward ran under autocast (and its dtype) is recorded from inside
    the model.
-6. Protocol (``benchmarks/_paired.py``): threads pinned in every child (``--threads``, default 1), ``--warmup``
-   untimed repetitions, then ``--pairs`` (>= 5) timed ones whose order alternates (xtl, transformers, trl; then
-   trl, transformers, xtl; ...). Printed: every configuration, every repetition, and per peer the median ratio
-   xtl/peer with its min..max for useful tokens/s, for useful tokens per CPU second (process CPU time: with one
-   thread it barely moves when a shared machine deschedules a run, where wall-clock tokens/s can halve) and for
-   peak RSS; the median breakdown per side; the strongest peer (highest median useful tokens/s, the default
-   reference); and the acceptance check against it (tiny, bf16: useful tokens/s >= 1.3x at peak RSS <= 0.6x).
+6. Protocol (``benchmarks/_paired.py``): threads pinned in every child (``--threads``, default 1), ``--warmup`` untimed
+   repetitions, then ``--pairs`` (>= 5) timed ones whose order alternates (xtl, transformers, trl, trl-bfd; then
+   trl-bfd, trl, transformers, xtl; ...). Printed: every configuration, every repetition, and per peer the median ratio
+   xtl/peer with its min..max for useful tokens/s, for useful tokens per CPU second (process CPU time: with one thread
+   it barely moves when a shared machine deschedules a run, where wall-clock tokens/s can halve) and for peak RSS; the
+   median breakdown per side; the strongest peer (highest median useful tokens/s, the default reference); and the
+   acceptance check against it (tiny, bf16: useful tokens/s >= 1.3x at peak RSS <= 0.6x).
 
 The parent process stays stdlib-only (its children do all the work).
 """
@@ -99,7 +120,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY_RECIPE = ROOT / "configs" / "tiny_sft.yaml"
 TARGET_SPEED, TARGET_MEMORY = 1.3, 0.6
 IGNORE_INDEX = -100
-PEERS = ("transformers", "trl")
+PEERS = ("transformers", "trl", "trl-bfd")
 DEFAULT_STEPS = {"tiny": 51, "synthetic": 21}
 HF_MEGABATCH = 50  # transformers' LengthGroupedSampler sorts megabatches of 50 batches, longest batch first
 MIN_TOKENS, MAX_TOKENS = 32, 1024
@@ -288,7 +309,6 @@ def prepare(cfg: BenchConfig) -> dict[str, Any]:
     import dataclasses
 
     import numpy as np
-    import torch
     from datasets import Dataset
 
     from xtl.cli import XTLCLI
@@ -304,23 +324,14 @@ def prepare(cfg: BenchConfig) -> dict[str, Any]:
     dm.setup()
     split = dm.train_split
     plan, report = split.plan, split.plan.report()
-    if cfg.recipe == "tiny":  # the recipe's from-scratch model, initialized as LanguageModule initializes it
-        model = module.model_config.build()
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(module.hparams.seed)
-            model.init_weights()
-        model.save_hf(hf_dir)
+    if cfg.recipe == "tiny":
+        initial_model(module).save_hf(hf_dir)
     tokenizer_dir = str(Path(dm.load_tokenizer().name_or_path))
     pack = dm.pack_max_length
 
     # The peers' samples are xtl's: every document of xtl's pack plan (truncated as xtl truncates), in source order,
     # with xtl's labels (-100 outside its loss mask) and the same mask as TRL's ``assistant_masks`` column.
-    ids_list: list[list[int]] = []
-    labels_list: list[list[int]] = []
-    for k in np.argsort(plan.seg_sample, kind="stable").tolist():
-        ids, labels = split.data.tokens(int(plan.seg_sample[k]), int(plan.seg_start[k]), int(plan.seg_end[k]))
-        ids_list.append(ids.tolist())
-        labels_list.append(labels.tolist())
+    ids_list, labels_list = documents(split, np.argsort(plan.seg_sample, kind="stable").tolist())
     lengths = [len(x) for x in ids_list]
     Dataset.from_dict(
         {
@@ -333,26 +344,12 @@ def prepare(cfg: BenchConfig) -> dict[str, Any]:
     ).save_to_disk(str(work / "hf_data"))
     xtl_tokens_per_step = report["tokens"] / report["packs"] * dm.micro_batches_per_step
     mean = statistics.fmean(lengths)
-    optimizer, schedule = module.optimizer_config, module.schedule
-    hf = {
-        "lr": optimizer.lr,
-        "weight_decay": optimizer.weight_decay,
-        "no_decay_norm_bias_embed": optimizer.no_decay_norm_bias_embed,
-        "betas": list(optimizer.betas),
-        "eps": optimizer.eps,
-        "warmup_steps": schedule.warmup_steps,
-        "schedule": schedule.kind,
-        "min_lr_ratio": schedule.min_lr_ratio,
-        "total_steps": int(schedule.decay_steps or cfg.steps),  # what LanguageModule._total_steps gives xtl's run
-        "max_grad_norm": module.hparams.max_grad_norm,
-        "max_length": pack,
-        "micro_batches": dm.micro_batches_per_step,
-    }
+    hf = peer_hparams(module, dm, cfg.steps)
     hf_batch = cfg.hf_batch or max(1, round(xtl_tokens_per_step / mean / cfg.hf_accum))
     full = dataclasses.replace(
         cfg, hf_dir=str(hf_dir), hf_data=str(work / "hf_data"), tokenizer=tokenizer_dir, hf=hf, hf_batch=hf_batch
     )
-    checks = _check_same_objective(full, dm, module, ids_list, labels_list)
+    checks, peer_configs = _check_same_objective(full, dm, module, ids_list, labels_list)
     sources = [resolve_path(spec.path) for spec in dm.sources]
     return {
         "hf_dir": full.hf_dir,
@@ -361,6 +358,7 @@ def prepare(cfg: BenchConfig) -> dict[str, Any]:
         "hf": hf,
         "hf_batch": hf_batch,
         "checks": checks,
+        "peer_configs": peer_configs,
         "model": _describe(module.model_config),
         "params": sum(p.numel() for p in module.model_config.build().parameters()),
         "pack": pack,
@@ -379,6 +377,48 @@ def prepare(cfg: BenchConfig) -> dict[str, Any]:
     }
 
 
+def peer_hparams(module: Any, dm: Any, steps: int) -> dict[str, Any]:
+    """What the peers take from xtl's parsed recipe: optimizer, schedule, clipping, pack length, micro-batches."""
+    optimizer, schedule = module.optimizer_config, module.schedule
+    return {
+        "lr": optimizer.lr,
+        "weight_decay": optimizer.weight_decay,
+        "no_decay_norm_bias_embed": optimizer.no_decay_norm_bias_embed,
+        "betas": list(optimizer.betas),
+        "eps": optimizer.eps,
+        "warmup_steps": schedule.warmup_steps,
+        "schedule": schedule.kind,
+        "min_lr_ratio": schedule.min_lr_ratio,
+        "total_steps": int(schedule.decay_steps or steps),  # what LanguageModule._total_steps gives xtl's run
+        "max_grad_norm": module.hparams.max_grad_norm,
+        "max_length": dm.pack_max_length,
+        "micro_batches": dm.micro_batches_per_step,
+    }
+
+
+def initial_model(module: Any) -> Any:
+    """The recipe's from-scratch xtl model, initialized as ``LanguageModule`` initializes it (seeded)."""
+    import torch
+
+    model = module.model_config.build()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(module.hparams.seed)
+        model.init_weights()
+    return model
+
+
+def documents(split: Any, segments: list[int]) -> tuple[list[list[int]], list[list[int]]]:
+    """Token ids and labels (-100 outside xtl's loss mask) of the pack plan's ``segments`` (documents as xtl
+    truncates them), in the given order."""
+    plan = split.plan
+    ids_list, labels_list = [], []
+    for k in segments:
+        ids, labels = split.data.tokens(int(plan.seg_sample[k]), int(plan.seg_start[k]), int(plan.seg_end[k]))
+        ids_list.append(ids.tolist())
+        labels_list.append(labels.tolist())
+    return ids_list, labels_list
+
+
 def _scored(labels: list[int]) -> int:
     """Supervised targets of one document: labels that a causal shift inside the document uses (position 0 never)."""
     return sum(1 for t in labels[1:] if t != IGNORE_INDEX)
@@ -386,14 +426,17 @@ def _scored(labels: list[int]) -> int:
 
 def _check_same_objective(
     cfg: BenchConfig, dm: Any, module: Any, ids_list: list[list[int]], labels_list: list[list[int]]
-) -> list[str]:
-    """Assert that all three sides score the same tokens of the same documents, that TRL's padding-free batches are
-    correct on CPU SDPA, and that the peers' optimizer groups and schedule are xtl's. Returns the printed lines."""
+) -> tuple[list[str], dict[str, str]]:
+    """Assert that every side scores the same tokens of the same documents, that TRL's padding-free batches are
+    correct on CPU SDPA, and that the peers' optimizer groups and schedule are xtl's. Returns the printed lines and
+    each peer's effective trainer arguments (:func:`effective_args`)."""
     import collections
 
     import torch
     from datasets import load_dataset, load_from_disk
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainingArguments
+    from transformers.trainer_pt_utils import LengthGroupedSampler
+    from trl.kernels.chunked_logprob import _use_triton
 
     from xtl.train.optim import lr_lambda, param_groups
     from xtl.utils import resolve_path
@@ -414,24 +457,38 @@ def _check_same_objective(
         batch = padder([rows[k] for k in range(a, min(a + 256, len(rows)))])
         hf_scored += (batch["labels"][:, 1:] != IGNORE_INDEX).sum(1).tolist()
     assert hf_scored == scored, "transformers scores other tokens per sample than xtl"
-    # TRL: its prepared (BFD-packed) dataset, split into documents, and its padding-free collator
+    configs = {"transformers": effective_args(TrainingArguments(**_hf_args(cfg)))}
+    # TRL: each variant's prepared dataset, split into documents, and its own collator
     model = AutoModelForCausalLM.from_pretrained(cfg.hf_dir, attn_implementation="sdpa", dtype=torch.float32)
-    trainer = _trl_trainer(cfg, model, tokenizer, _trl_columns(load_from_disk(cfg.hf_data)), [])
-    packed = trainer.train_dataset
-    trl_docs: collections.Counter = collections.Counter()
-    trl_collated = 0
-    for row in packed:
-        a = 0
-        for n in row["seq_lengths"]:
-            trl_docs[(tuple(row["input_ids"][a : a + n]), _scored(row["labels"][a : a + n]))] += 1
-            a += n
-        trl_collated += int((trainer.data_collator([row])["labels"][:, 1:] != IGNORE_INDEX).sum())
-    assert trl_docs == xtl_docs, "TRL's packed documents or their scored tokens differ from xtl's"
-    assert trl_collated == sum(scored), f"TRL's collated batches score {trl_collated} targets, xtl {sum(scored)}"
-    lines.append(
+    variants = [p for p in cfg.peers if p.startswith("trl")] or ["trl"]
+    trainers = {}
+    layout = {True: "BFD packs, split by seq_lengths", False: "one document each"}
+    for variant in variants:
+        trainer = trainers[variant] = _trl_trainer(
+            cfg, model, tokenizer, _trl_columns(load_from_disk(cfg.hf_data)), [], variant
+        )
+        docs, collated = _trl_documents(trainer)
+        assert docs == xtl_docs, f"{variant}: TRL's documents or their scored tokens differ from xtl's"
+        assert collated == sum(scored), (
+            f"{variant}: TRL's collated batches score {collated} targets, xtl {sum(scored)}"
+        )
+        sampler = trainer._get_train_sampler()
+        if trainer.args.train_sampling_strategy == "group_by_length":
+            assert isinstance(sampler, LengthGroupedSampler), (
+                f"{variant}: {type(sampler).__name__}, not length-grouped"
+            )
+        assert not trainer.args.gradient_checkpointing and not model.is_gradient_checkpointing
+        configs[variant] = effective_args(trainer.args)
+        lines.append(
+            f"{variant}: {len(trainer.train_dataset)} rows ({layout[trainer.args.packing]}), "
+            f"same (token ids, scored) per document as xtl and collated total {collated} (asserted); sampler "
+            f"{type(sampler).__name__}; gradient checkpointing off (asserted)"
+        )
+    lines.insert(
+        0,
         f"same objective (asserted): {len(scored)} documents, {sum(scored)} scored tokens; scored tokens per document "
-        f"identical on all sides (xtl collator total {xtl_total}; transformers collator per sample; TRL {len(packed)} "
-        f"BFD rows split by seq_lengths, per (token ids, scored) and collated total {trl_collated})"
+        f"identical on all sides (xtl collator total {xtl_total}; transformers collator per sample; TRL per (token "
+        f"ids, scored) document and collated total)",
     )
     # TRL's own chat route: assistant_only_loss=True with a {% generation %}-marked copy of the chat template
     marked = AutoTokenizer.from_pretrained(cfg.tokenizer)
@@ -442,50 +499,82 @@ def _check_same_objective(
         split="train",
         cache_dir=str(Path(cfg.work_dir) / "hf_datasets_cache"),
     ).select_columns(["messages"])
-    native = _trl_trainer(cfg, model, marked, raw, [], assistant_only_loss=True).train_dataset
-    native_docs: collections.Counter = collections.Counter()
-    for row in native:
-        a = 0
-        for n in row["seq_lengths"]:
-            native_docs[(tuple(row["input_ids"][a : a + n]), _scored(row["labels"][a : a + n]))] += 1
-            a += n
-    assert native_docs == xtl_docs, "TRL's assistant_only_loss (marked template) differs from xtl's tokens or mask"
+    native = _trl_trainer(cfg, model, marked, raw, [], variants[0], assistant_only_loss=True)
+    assert _trl_documents(native)[0] == xtl_docs, "TRL's assistant_only_loss (marked template) differs from xtl's"
     lines.append(
         "TRL's chat route (assistant_only_loss=True, tokenizer template copy with {% generation %} around each "
         "assistant body and its <|im_end|>) gives the same documents and scored tokens (asserted, all samples)"
     )
-    # padding-free on CPU SDPA: a packed row's logits are the per-document logits (no attention across documents)
-    row = next(r for r in packed if len(r["seq_lengths"]) >= 2)
-    batch = trainer.data_collator([row])
-    model.eval()
-    with torch.no_grad():
-        inputs = {k: v for k, v in batch.items() if k != "labels"}
-        logits = model(**inputs).logits[0]
-        pieces, a = [], 0
-        for n in row["seq_lengths"]:
-            pieces.append(model(input_ids=torch.tensor([row["input_ids"][a : a + n]])).logits[0])
-            a += n
-        diff = float((logits - torch.cat(pieces)).abs().max())
-        crossing = float((model(input_ids=batch["input_ids"]).logits[0] - torch.cat(pieces)).abs().max())
-    assert diff < 1e-3 < crossing, f"padding-free SDPA: packed vs per-document logits differ by {diff}"
-    lines.append(
-        f"TRL padding-free on CPU SDPA: transformers builds a block-diagonal causal mask from the packed position_ids "
-        f"(not varlen: full-row attention, masked); packed logits = per-document logits, max |diff| {diff:.1e} "
-        f"(control, attention across documents: {crossing:.1e}) (asserted)"
+    # TRL's fused LM head on this device: supervised rows only where Triton runs, every row elsewhere
+    compact = _use_triton(torch.device("cpu"))
+    rows_scored = (
+        "supervised rows only"
+        if compact
+        else "CPU fallback: EVERY row of the batch is projected and scored (prompts and padding included, masked "
+        "afterwards), tiles folded in torch ops, entropy + top-1 per row, gradient GEMMs in fp32"
     )
+    lines.append(
+        "TRL's LM head: SFTTrainer always patches the model with trl.trainer.utils.add_fused_lm_head (no config field "
+        f"turns it off; liger's fused CE is refused); trl.kernels.chunked_logprob._use_triton(cpu) = {compact}: "
+        + rows_scored
+    )
+    if "trl-bfd" in trainers:
+        # padding-free on CPU SDPA: a packed row's logits are the per-document logits (no attention across documents)
+        trainer = trainers["trl-bfd"]
+        row = next(r for r in trainer.train_dataset if len(r["seq_lengths"]) >= 2)
+        batch = trainer.data_collator([row])
+        model.eval()
+        with torch.no_grad():
+            inputs = {k: v for k, v in batch.items() if k != "labels"}
+            logits = model(**inputs).logits[0]
+            pieces, a = [], 0
+            for n in row["seq_lengths"]:
+                pieces.append(model(input_ids=torch.tensor([row["input_ids"][a : a + n]])).logits[0])
+                a += n
+            diff = float((logits - torch.cat(pieces)).abs().max())
+            crossing = float((model(input_ids=batch["input_ids"]).logits[0] - torch.cat(pieces)).abs().max())
+        assert diff < 1e-3 < crossing, f"padding-free SDPA: packed vs per-document logits differ by {diff}"
+        lines.append(
+            "trl-bfd padding-free on CPU SDPA: CPU fallback, transformers builds a block-diagonal causal mask from "
+            f"the packed position_ids (not varlen flash attention: the full {cfg.hf['max_length']}-token row is "
+            f"computed, masked); packed logits = per-document logits, max |diff| {diff:.1e} (control, attention "
+            f"across documents: {crossing:.1e}) (asserted)"
+        )
     # optimizer groups and schedule: the peers' copies equal xtl's functions
     hf = cfg.hf
     ref = lr_lambda(hf["schedule"], hf["warmup_steps"], hf["total_steps"], hf["min_lr_ratio"])
     mine = _lr_factor(hf["schedule"], hf["warmup_steps"], hf["total_steps"], hf["min_lr_ratio"])
     assert all(ref(s) == mine(s) for s in range(hf["total_steps"] + 2)), "peer schedule differs from xtl's"
-    theirs = param_groups(model, hf["weight_decay"], hf["no_decay_norm_bias_embed"])
-    ours = _param_groups(model, hf["weight_decay"], hf["no_decay_norm_bias_embed"])
-    assert [({id(p) for p in g["params"]}, g["weight_decay"]) for g in theirs] == [
-        ({id(p) for p in g["params"]}, g["weight_decay"]) for g in ours
-    ], "peer parameter groups differ from xtl's"
+    ours = param_groups(module.model_config.build(), hf["weight_decay"], hf["no_decay_norm_bias_embed"])
+    theirs = _param_groups(model, hf["weight_decay"], hf["no_decay_norm_bias_embed"])
+    sizes = [[(sum(p.numel() for p in g["params"]), g["weight_decay"]) for g in x] for x in (ours, theirs)]
+    assert sizes[0] == sizes[1], f"peer parameter groups (numel, weight decay) {sizes[1]} differ from xtl's {sizes[0]}"
     assert module.optimizer_config.__class__.__name__ == "AdamWConfig", "the peers run AdamW: the recipe must too"
-    lines.append("peer optimizer groups and LambdaLR schedule = xtl.train.optim.param_groups / lr_lambda (asserted)")
-    return lines
+    lines.append(
+        f"peer optimizer groups (numel, weight decay) {sizes[1]} = xtl.train.optim.param_groups on xtl's model; "
+        "LambdaLR schedule = xtl.train.optim.lr_lambda (asserted)"
+    )
+    return lines, configs
+
+
+def _trl_documents(trainer: Any) -> tuple[Any, int]:
+    """TRL's prepared training rows split into documents (``seq_lengths`` of a packed row, else the row), counted by
+    (token ids, scored targets), and the scored targets of its own collator over all rows."""
+    import collections
+
+    docs: collections.Counter = collections.Counter()
+    collated = 0
+    rows = trainer.train_dataset
+    for a in range(0, len(rows), 64):
+        chunk = [rows[k] for k in range(a, min(a + 64, len(rows)))]
+        for row in chunk:
+            start = 0
+            for n in row.get("seq_lengths") or [len(row["input_ids"])]:
+                docs[(tuple(row["input_ids"][start : start + n]), _scored(row["labels"][start : start + n]))] += 1
+                start += n
+        collate = [chunk] if not trainer.args.padding_free else [[row] for row in chunk]  # one packed row per batch
+        collated += sum(int((trainer.data_collator(c)["labels"][:, 1:] != IGNORE_INDEX).sum()) for c in collate)
+    return docs, collated
 
 
 def _marked_template(template: str) -> str:
@@ -726,7 +815,8 @@ def _peer_optimizers(model: Any, hf: dict[str, Any]) -> tuple[Any, Any]:
 
 
 def _peer_args(cfg: BenchConfig, name: str) -> dict[str, Any]:
-    """``TrainingArguments`` both peers share (the optimizer and schedule are passed as objects)."""
+    """``TrainingArguments`` both peers share, every setting that changes speed set explicitly (the optimizer and
+    schedule are passed as objects; batch size, accumulation and sampler are per peer)."""
     hf = cfg.hf
     return {
         "output_dir": str(Path(cfg.work_dir) / f"{name}_out"),
@@ -739,13 +829,31 @@ def _peer_args(cfg: BenchConfig, name: str) -> dict[str, Any]:
         "warmup_steps": hf["warmup_steps"],
         "max_grad_norm": hf["max_grad_norm"],
         "bf16": cfg.precision == "bf16-mixed",
+        "fp16": False,
         "use_cpu": True,
+        # transformers 5 names gradient_checkpointing activation_checkpointing (the old name mirrors it); TRL's
+        # SFTConfig defaults gradient_checkpointing to True, which recomputes every layer's forward in backward
+        "activation_checkpointing": False,
+        "torch_compile": False,
+        "use_liger_kernel": False,  # Liger's kernels are Triton (CUDA/XPU): not on CPU
         "report_to": [],
         "save_strategy": "no",
+        "eval_strategy": "no",
         "logging_strategy": "no",
         "dataloader_num_workers": 0,
+        "dataloader_pin_memory": False,
         "disable_tqdm": True,
         "seed": cfg.seed,
+    }
+
+
+def _hf_args(cfg: BenchConfig) -> dict[str, Any]:
+    """``transformers.Trainer``'s arguments: the shared ones, ``cfg.hf_batch`` samples x ``cfg.hf_accum``, sampler."""
+    return {
+        **_peer_args(cfg, "hf"),
+        "per_device_train_batch_size": cfg.hf_batch,
+        "gradient_accumulation_steps": cfg.hf_accum,
+        "train_sampling_strategy": cfg.hf_sampling,
     }
 
 
@@ -761,21 +869,54 @@ def _trl_columns(dataset: Any) -> Any:
 
 
 def _trl_trainer(
-    cfg: BenchConfig, model: Any, tokenizer: Any, dataset: Any, callbacks: list[Any], assistant_only_loss: bool = False
+    cfg: BenchConfig,
+    model: Any,
+    tokenizer: Any,
+    dataset: Any,
+    callbacks: list[Any],
+    variant: str = "trl",
+    assistant_only_loss: bool = False,
 ) -> Any:
-    """TRL's ``SFTTrainer``: BFD packing at the pack length, padding-free, one packed row per micro-batch and xtl's
-    micro-batches per step as accumulation. ``assistant_only_loss=True``: the chat route (raw ``messages``)."""
+    """TRL's ``SFTTrainer`` as a TRL user configures it on CPU.
+
+    ``trl``: no packing, pad-to-longest batches of ``cfg.hf_batch`` samples grouped by length (``cfg.hf_sampling``,
+    as ``transformers``), ``cfg.hf_accum`` accumulation. ``trl-bfd``: BFD packing at the pack length, padding-free,
+    one packed row per micro-batch and xtl's micro-batches per step as accumulation, random row order. Both without
+    gradient checkpointing (SFTConfig's default is on). ``assistant_only_loss=True``: the chat route (raw
+    ``messages``).
+    """
     from trl import SFTConfig, SFTTrainer
 
+    if variant == "trl":
+        layout = {
+            "per_device_train_batch_size": cfg.hf_batch,
+            "gradient_accumulation_steps": cfg.hf_accum,
+            "train_sampling_strategy": cfg.hf_sampling,
+            "packing": False,
+            "padding_free": False,
+        }
+    elif variant == "trl-bfd":
+        layout = {
+            "per_device_train_batch_size": 1,
+            "gradient_accumulation_steps": cfg.hf["micro_batches"],
+            "train_sampling_strategy": "random",
+            "packing": True,
+            "packing_strategy": "bfd",
+            "padding_free": True,
+        }
+    else:
+        raise ValueError(f"unknown TRL variant {variant!r}")
     args = SFTConfig(
-        **_peer_args(cfg, "trl"),
-        per_device_train_batch_size=1,
-        gradient_accumulation_steps=cfg.hf["micro_batches"],
+        **_peer_args(cfg, variant),
+        **layout,
         max_length=cfg.hf["max_length"],
-        packing=True,
-        packing_strategy="bfd",
-        padding_free=True,
+        pad_to_multiple_of=None,
+        loss_type="nll",
+        completion_only_loss=None,
         assistant_only_loss=assistant_only_loss,
+        activation_offloading=False,
+        dataset_num_proc=None,
+        shuffle_dataset=False,
     )
     return SFTTrainer(
         model=model,
@@ -785,6 +926,65 @@ def _trl_trainer(
         optimizers=_peer_optimizers(model, cfg.hf),
         callbacks=callbacks,
     )
+
+
+# Speed-relevant fields printed whatever their value (besides every field that differs from the class default)
+SPEED_FIELDS = (
+    "per_device_train_batch_size",
+    "gradient_accumulation_steps",
+    "train_sampling_strategy",
+    "gradient_checkpointing",
+    "activation_checkpointing",
+    "bf16",
+    "fp16",
+    "tf32",
+    "use_cpu",
+    "torch_compile",
+    "use_liger_kernel",
+    "liger_kernel_config",
+    "dataloader_num_workers",
+    "dataloader_pin_memory",
+    "dataloader_drop_last",
+    "logging_strategy",
+    "logging_steps",
+    "eval_strategy",
+    "save_strategy",
+    "include_num_input_tokens_seen",
+    "average_tokens_across_devices",
+    "packing",
+    "packing_strategy",
+    "padding_free",
+    "pad_to_multiple_of",
+    "max_length",
+    "loss_type",
+    "completion_only_loss",
+    "assistant_only_loss",
+    "activation_offloading",
+    "dataset_num_proc",
+    "shuffle_dataset",
+)
+NOT_PRINTED = {"output_dir", "logging_dir", "run_name", "hub_token", "seed", "disable_tqdm", "report_to"}
+
+
+def effective_args(args: Any) -> str:
+    """The effective (post-init) settings of a ``TrainingArguments`` / ``SFTConfig``: every field that differs from
+    the class's default (e.g. SFTConfig's ``gradient_checkpointing=True``; the default object is built with
+    ``use_cpu=True``), marked ``*``, plus :data:`SPEED_FIELDS` at their values."""
+    import dataclasses
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        defaults = type(args)(output_dir=args.output_dir, use_cpu=True)  # use_cpu: SFTConfig's bf16 needs it on CPU
+    shown = []
+    for f in dataclasses.fields(args):
+        if f.name in NOT_PRINTED or not f.init:
+            continue
+        value, default = getattr(args, f.name), getattr(defaults, f.name)
+        changed = repr(value) != repr(default)
+        if changed or f.name in SPEED_FIELDS:
+            shown.append(f"{f.name}={getattr(value, 'value', value)!r}{'*' if changed else ''}")  # enums: their value
+    return ", ".join(shown)
 
 
 def _peer_clock(timer: StepTimer, counts: list[tuple[int, int, int]], accum: int) -> Any:
@@ -834,12 +1034,7 @@ def run_transformers(cfg: BenchConfig) -> SideResult:
     counts: list[tuple[int, int, int]] = []
     timer = StepTimer()
     model = _peer_model(cfg, timer)
-    args = TrainingArguments(
-        **_peer_args(cfg, "hf"),
-        per_device_train_batch_size=cfg.hf_batch,
-        gradient_accumulation_steps=cfg.hf_accum,
-        train_sampling_strategy=cfg.hf_sampling,
-    )
+    args = TrainingArguments(**_hf_args(cfg))
     trainer = Trainer(
         model=model,
         args=args,
@@ -854,8 +1049,8 @@ def run_transformers(cfg: BenchConfig) -> SideResult:
     return timer.result("transformers")
 
 
-def run_trl(cfg: BenchConfig) -> SideResult:
-    """Train with TRL's ``SFTTrainer``: BFD-packed, padding-free rows of xtl's samples and loss mask."""
+def run_trl(cfg: BenchConfig, variant: str = "trl") -> SideResult:
+    """Train with TRL's ``SFTTrainer`` (``variant``: see :func:`_trl_trainer`) on xtl's samples and loss mask."""
     _child_setup(cfg.threads, uses_lightning=False)
     from datasets import load_from_disk
     from transformers import AutoTokenizer, PrinterCallback
@@ -864,12 +1059,18 @@ def run_trl(cfg: BenchConfig) -> SideResult:
     counts: list[tuple[int, int, int]] = []
     timer = StepTimer()
     model = _peer_model(cfg, timer)
-    clock = _peer_clock(timer, counts, cfg.hf["micro_batches"])
-    trainer = _trl_trainer(cfg, model, tokenizer, _trl_columns(load_from_disk(cfg.hf_data)), [clock])
+    accum = cfg.hf_accum if variant == "trl" else cfg.hf["micro_batches"]
+    clock = _peer_clock(timer, counts, accum)
+    trainer = _trl_trainer(cfg, model, tokenizer, _trl_columns(load_from_disk(cfg.hf_data)), [clock], variant)
     trainer.data_collator = _counting(trainer.data_collator, counts)  # padding-free takes no custom collator at init
     trainer.remove_callback(PrinterCallback)
     trainer.train()
-    return timer.result("trl")
+    return timer.result(variant)
+
+
+def run_trl_bfd(cfg: BenchConfig) -> SideResult:
+    """:func:`run_trl` with BFD packing and padding-free rows."""
+    return run_trl(cfg, "trl-bfd")
 
 
 def _in_child(fn: Any, cfg: BenchConfig) -> Any:
@@ -928,7 +1129,7 @@ def main() -> None:
     parser.add_argument("--precision", default="auto", choices=["auto", "bf16-mixed", "32-true"])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--peers", default=",".join(PEERS), help=f"comma-separated peers among {', '.join(PEERS)} (default: both)"
+        "--peers", default=",".join(PEERS), help=f"comma-separated peers among {', '.join(PEERS)} (default: all)"
     )
     parser.add_argument(
         "--hf-sampling", default="group_by_length", choices=["group_by_length", "random", "sequential"]
@@ -991,7 +1192,7 @@ def main() -> None:
         _print_setup(cfg, info)
 
         runs: dict[str, list[SideResult]] = {"xtl": [], **{p: [] for p in peers}}
-        functions = {"transformers": run_transformers, "trl": run_trl}
+        functions = {"transformers": run_transformers, "trl": run_trl, "trl-bfd": run_trl_bfd}
 
         def run_xtl_side() -> float:
             runs["xtl"].append(_in_child(run_xtl, cfg))
@@ -1077,6 +1278,10 @@ def _print_setup(cfg: BenchConfig, info: dict[str, Any]) -> None:
         "steps"
     )
     data = "xtl's samples (xtl tokenization, recipe template, xtl truncation), pre-tokenized"
+    trl_head = (
+        "TRL fused LM head (add_fused_lm_head, always on in SFTTrainer) [CPU fallback: no Triton, so every row is "
+        "projected and scored, prompts and padding included, then masked; + entropy/top-1 per row; fp32 grad GEMMs]"
+    )
     mask = "xtl's loss mask (assistant turns: body + <|im_end|>; not headers, prompts, system)"
     print(f"recipe {cfg.recipe}: model {info['model']}, {info['params'] / 1e6:.2f}M params")
     print(
@@ -1120,6 +1325,7 @@ def _print_setup(cfg: BenchConfig, info: dict[str, Any]) -> None:
         "transformers": {
             "runs": "transformers.Trainer (use_cpu=True)",
             "precision": peer_precision,
+            "gradient checkpointing": "off (gradient_checkpointing=False, explicit)",
             "batch": f"{cfg.hf_batch} samples x {cfg.hf_accum} accumulation per step "
             f"(~{hf_tokens_per_step:.0f} useful tokens)",
             "ordering": f"train_sampling_strategy={cfg.hf_sampling}",
@@ -1133,21 +1339,45 @@ def _print_setup(cfg: BenchConfig, info: dict[str, Any]) -> None:
             "logging": "none",
         },
         "trl": {
-            "runs": "trl.SFTTrainer (use_cpu=True)",
+            "runs": "trl.SFTTrainer (use_cpu=True), as a TRL user configures it on CPU (module docstring)",
             "precision": peer_precision,
-            "batch": f"1 BFD row of <= {info['pack']} tokens x {info['micro_batches']} accumulation per step",
-            "ordering": "random row order (Trainer sampler)",
-            "packing": "packing=True, packing_strategy=bfd, padding_free=True (flattened rows + position_ids)",
+            "gradient checkpointing": "off (gradient_checkpointing=False; SFTConfig's default is True)",
+            "batch": f"{cfg.hf_batch} samples x {cfg.hf_accum} accumulation per step "
+            f"(~{hf_tokens_per_step:.0f} useful tokens, as transformers)",
+            "ordering": f"train_sampling_strategy={cfg.hf_sampling}",
+            "packing": "packing=False, padding_free=False: pad to longest in batch (TRL's collator)",
             "data": data + " (input_ids + assistant_masks)",
-            "attention": "sdpa, block-diagonal causal mask from position_ids (full row computed, masked)",
-            "head+loss": "TRL fused LM head (log-probs of supervised rows, + entropy/accuracy metrics)",
+            "attention": "sdpa (padding mask)",
+            "head+loss": trl_head,
             "loss tokens": f"assistant_masks = {mask} (= assistant_only_loss=True with the marked template)",
             "optimizer": optimizer + " (xtl's groups, passed as optimizers=)",
             "schedule": schedule + " (xtl's lr_lambda as LambdaLR)",
-            "logging": "none",
+            "logging": "logging_strategy=no (TRL still computes entropy/accuracy metrics every micro-batch)",
+        },
+        "trl-bfd": {
+            "runs": "trl.SFTTrainer (use_cpu=True), BFD packing + padding-free (TRL's packing recipe; GPU-oriented)",
+            "precision": peer_precision,
+            "gradient checkpointing": "off (gradient_checkpointing=False; SFTConfig's default is True)",
+            "batch": f"1 BFD row of <= {info['pack']} tokens x {info['micro_batches']} accumulation per step",
+            "ordering": "train_sampling_strategy=random (row order)",
+            "packing": "packing=True, packing_strategy=bfd, padding_free=True (flattened rows + position_ids)",
+            "data": data + " (input_ids + assistant_masks)",
+            "attention": "sdpa with a block-diagonal causal mask from position_ids [CPU fallback: masked full-row "
+            "attention, no varlen flash attention]",
+            "head+loss": trl_head,
+            "loss tokens": f"assistant_masks = {mask} (= assistant_only_loss=True with the marked template)",
+            "optimizer": optimizer + " (xtl's groups, passed as optimizers=)",
+            "schedule": schedule + " (xtl's lr_lambda as LambdaLR)",
+            "logging": "logging_strategy=no (TRL still computes entropy/accuracy metrics every micro-batch)",
         },
     }
     print_configs(**{name: config for name, config in sides.items() if name == "xtl" or name in cfg.peers})
+    for name, effective in info["peer_configs"].items():
+        if name in cfg.peers:
+            print(
+                f"{name} effective {'SFTConfig' if name.startswith('trl') else 'TrainingArguments'} (* = not the "
+                f"class default; speed-relevant fields always shown): {effective}"
+            )
 
 
 if __name__ == "__main__":
