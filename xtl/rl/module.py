@@ -122,6 +122,7 @@ class GRPOModule(LanguageModule):
         self._rollout_metrics: dict[str, float] = {}
         self._engine_state: dict[str, Any] = {}
         self._eval: dict[int, list[float]] = {}
+        self._stop: tuple[Any, tuple[int, ...]] | None = None  # (tokenizer, template) -> its stop tokens
 
     # ---- model -----------------------------------------------------------------------------------------------
 
@@ -218,7 +219,7 @@ class GRPOModule(LanguageModule):
         """Greedy answers to held-out prompts, judged: ``val/reward`` and ``val/exact_match``."""
         datamodule = self.trainer.datamodule
         tokenizer = datamodule.load_tokenizer()
-        stop = stop_token_ids(tokenizer, datamodule.template)
+        stop = self._stop_token_ids()
         stop_ids = tuple(sorted({*self.sampling.stop_token_ids, *stop}))
         config = GenerationConfig(max_new_tokens=self.eval_max_new_tokens, stop_token_ids=stop_ids)  # greedy
         prompts = [self._render(row) for row in batch]
@@ -301,6 +302,14 @@ class GRPOModule(LanguageModule):
             self.engine_settings, self.model, self.hf_dir, self.device, seed=self.sampling.seed + rank, group=group
         )
 
+    def _stop_token_ids(self) -> tuple[int, ...]:
+        """The tokenizer's and the template's stop tokens, looked up once (the lookup reads the whole vocabulary)."""
+        datamodule = self.trainer.datamodule
+        key = (datamodule.load_tokenizer(), datamodule.template)
+        if self._stop is None or self._stop[0] != key:
+            self._stop = (key, stop_token_ids(*key))
+        return self._stop[1]
+
     def _render(self, row: dict[str, Any]) -> list[int]:
         datamodule = self.trainer.datamodule
         return chat_prompt_ids(
@@ -311,7 +320,7 @@ class GRPOModule(LanguageModule):
         """Produce a rollout batch and cut it into the pending updates."""
         datamodule = self.trainer.datamodule
         tokenizer = datamodule.load_tokenizer()
-        stop = stop_token_ids(tokenizer, datamodule.template)
+        stop = self._stop_token_ids()
         rank = datamodule.data_parallel_rank()[0]
         sampling = replace(self.sampling, seed=self.sampling.seed + 1_000_003 * rank)
         if self._synced_step != self.global_step:  # the engine samples with the weights of this step
