@@ -36,7 +36,8 @@ Method:
    other (the rest: prompt rendering, decoding, padding/packing, advantages, logging, the loop).
 5. Protocol (``benchmarks/_paired.py``): threads pinned in every child, ``--warmup`` untimed pairs, ``--pairs``
    timed pairs in alternating order; per pair the median step time of each run; printed: median ratio xtl/TRL with
-   min..max of the whole step and of every stage, and the completion tokens generated per step on each side.
+   min..max of the whole step (wall, and the process's CPU time: a shared machine's descheduling barely moves it)
+   and of every stage, and the completion tokens generated per step on each side.
 
 The parent process stays stdlib-only (its children do all the work).
 """
@@ -89,13 +90,14 @@ class BenchConfig:
 
 @dataclass
 class SideResult:
-    """Per timed rollout batch of one run: the whole step, its stages (exclusive seconds) and completion tokens."""
+    """Per timed rollout batch of one run: the whole step, its stages (exclusive seconds), completion tokens and the
+    process's CPU seconds (all its threads; barely moved when a shared machine deschedules the run)."""
 
     name: str
     steps: list[float]
     stages: dict[str, list[float]]
     tokens: list[int]
-    cpu_seconds: float
+    cpu_steps: list[float]
     threads: int
     first_step: float
 
@@ -162,7 +164,7 @@ class StageClock:
             steps=[b[0] - a[0] for a, b in pairs],
             stages={k: [b[2][k] - a[2][k] for a, b in pairs] for k in STAGES},
             tokens=[b[3] - a[3] for a, b in pairs],
-            cpu_seconds=self.marks[-1][1] - self.marks[0][1],
+            cpu_steps=[b[1] - a[1] for a, b in pairs],
             threads=torch.get_num_threads(),
             first_step=self.marks[0][0],
         )
@@ -612,6 +614,12 @@ def main() -> None:
     whole.metric = "seconds per GRPO step (rollout batch: generation, judging, old log-probs, 2 optimizer steps)"
     print(f"\nresults ({args.pairs} timed pairs after {args.warmup} warm-up pair(s), order alternating):")
     print(whole.summary("xtl", "trl"))
+    cpu = PairedResult(
+        "CPU seconds per GRPO step (process time, all threads)",
+        [statistics.median(r.cpu_steps) for r in timed["xtl"]],
+        [statistics.median(r.cpu_steps) for r in timed["trl"]],
+    )
+    print(cpu.summary("xtl", "trl"))
     print("stage split (median ms per step; ratio xtl/trl median (min..max) over the pairs):")
     print(f"  {'stage':12s} {'xtl':>9s} {'trl':>9s}   ratio")
     for key in ("step", *STAGES, "other"):
@@ -629,9 +637,12 @@ def main() -> None:
             f"{name}: {tokens:.0f} completion tokens generated per step ({tokens / gen:.0f} tokens/s in generation), "
             f"{results[0].threads} thread(s)"
         )
-    speedup = 1 / statistics.median(whole.ratios)
+    speedup, cpu_speedup = 1 / statistics.median(whole.ratios), 1 / statistics.median(cpu.ratios)
     verdict = "reached" if speedup >= TARGET else "NOT reached"
-    print(f"xtl speed-up over TRL on the whole step: {speedup:.2f}x (target >= {TARGET}x: {verdict})")
+    print(
+        f"xtl speed-up over TRL on the whole step: {speedup:.2f}x wall (target >= {TARGET}x: {verdict}), "
+        f"{cpu_speedup:.2f}x in CPU time"
+    )
     print(f"total {time.perf_counter() - start:.0f} s; load average after: {load_average()}")
 
 
