@@ -127,6 +127,21 @@ class TestTraining:
                 "train/clip_ratio/high_mean"} <= set(first)  # fmt: skip
         assert "train/kl" not in first, "no KL term, no kl (as TRL)"
 
+    def test_the_first_update_scores_the_old_logps_in_its_own_forward(self, tmp_path) -> None:
+        """A rollout batch of 2 updates takes one forward without gradient (the second update's old log-probabilities):
+        the first update's are its own forward's, detached (its ratio is exactly 1, see above)."""
+        module = _module()
+        score = module._token_logps
+        grads = []
+
+        def counted(*args, **kwargs):
+            grads.append(torch.is_grad_enabled())
+            return score(*args, **kwargs)
+
+        module._token_logps = counted
+        _fit(module, 2, tmp_path)
+        assert grads == [False, True, True]
+
     def test_epochs_repeat_the_batch(self, tmp_path) -> None:
         steps, _ = _fit(_module(updates={"mini_batches": 1, "epochs": 2}), 3, tmp_path)
         assert steps[1]["train/ratio"] == 1.0 and steps[2]["train/ratio"] != 1.0 and steps[3]["train/ratio"] == 1.0

@@ -21,6 +21,7 @@ Built-ins: :class:`MathJudger` (``math-verify``: equivalent answers, e.g. ``1/2`
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib
 import logging
 import re
@@ -240,12 +241,9 @@ class MathJudger(SyncJudger):
     expressions, ``\\boxed{}`` preferred), else 0; 0 too when the response has no answer to parse."""
 
     def score(self, payload: JudgerPayload) -> float:
-        from math_verify import parse, verify
-
-        logging.getLogger("math_verify").setLevel(logging.ERROR)  # not its note that its time-outs are off
-        truth = str(payload["ground_truth"])
+        parse, verify = _math_verify()
+        gold = _parsed_truth(str(payload["ground_truth"]))
         # math-verify's time-outs use signals (main thread only): off here, the judger's own time-out applies
-        gold = parse(truth, parsing_timeout=None) or parse(f"${truth}$", parsing_timeout=None)
         answer = parse(str(payload["response"]), parsing_timeout=None)
         return float(bool(gold) and bool(answer) and verify(gold, answer, timeout_seconds=None))
 
@@ -323,6 +321,24 @@ def _scoring_pool() -> ThreadPoolExecutor:
     if _POOL is None:
         _POOL = ThreadPoolExecutor(SCORING_THREADS, thread_name_prefix="xtl-judger")
     return _POOL
+
+
+@functools.cache
+def _math_verify() -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """math-verify's ``parse`` and ``verify``, imported once (an import per score takes the import lock, which the
+    scoring threads then wait on), its logger quieted once (not its note that its time-outs are off)."""
+    from math_verify import parse, verify
+
+    logging.getLogger("math_verify").setLevel(logging.ERROR)
+    return parse, verify
+
+
+@functools.lru_cache(maxsize=4096)
+def _parsed_truth(truth: str) -> list[Any]:
+    """A ground truth parsed by math-verify (as LaTeX if plain parsing finds nothing), once per distinct truth: a
+    group's completions share theirs. ``verify`` only reads it."""
+    parse = _math_verify()[0]
+    return parse(truth, parsing_timeout=None) or parse(f"${truth}$", parsing_timeout=None)
 
 
 def _fail(state: RolloutState, error: BaseException, timeout_s: float) -> None:

@@ -4,11 +4,13 @@ One ``training_step`` is one optimizer step. When no update is pending, the modu
 (:func:`xtl.rl.buffer.produce_batch`): ``rollout.prompts_per_step`` prompts per rank from the prompt data,
 ``sampling.group_size`` completions each from the rollout engine (:mod:`xtl.rl.engines`; xtl's cached sampler on the
 policy by default), judged, shaped (DAPO's overlong penalty), filtered (dynamic sampling), and turned into
-group-relative advantages. The batch is packed (:mod:`xtl.rl.packing`) and the policy's log-probabilities of it are
-computed then, once (the *old* log-probabilities of the importance ratio; with the reference's when
-``objective.beta > 0``); it is cut into ``updates.mini_batches`` updates, run ``updates.epochs`` times: that many
-optimizer steps per rollout batch, each a ``training_step``. Pending updates and leftover groups are part of the
-checkpoint, with the sampler's random state and the prompt order, so a resumed run takes exactly the steps the
+group-relative advantages. The batch is packed (:mod:`xtl.rl.packing`) and cut into ``updates.mini_batches``
+updates, run ``updates.epochs`` times: that many optimizer steps per rollout batch, each a ``training_step``. The
+policy's log-probabilities of the batch (the *old* log-probabilities of the importance ratio) are computed once: for
+the first update by its own forward, detached (it runs before any optimizer step, on the policy that sampled the
+batch; TRL does the same when its generation and optimizer steps align), for the others when the batch is produced
+(with the reference's when ``objective.beta > 0``, for every update). Pending updates and leftover groups are part of
+the checkpoint, with the sampler's random state and the prompt order, so a resumed run takes exactly the steps the
 uninterrupted one would.
 """
 
@@ -120,6 +122,7 @@ class GRPOModule(LanguageModule):
         self._rollout_metrics: dict[str, float] = {}
         self._engine_state: dict[str, Any] = {}
         self._eval: dict[int, list[float]] = {}
+        self._stop: tuple[Any, tuple[int, ...]] | None = None  # (tokenizer, template) -> its stop tokens
 
     # ---- model -----------------------------------------------------------------------------------------------
 
@@ -165,12 +168,16 @@ class GRPOModule(LanguageModule):
         """One optimizer step on the next pending update (producing a rollout batch first when none is left)."""
         if not self._pending:
             self._produce()
-        update = [self._on_device(mb) for mb in self._pending.pop(0)]
+        pending = self._pending.pop(0)
+        update = [self._on_device(mb) for mb in pending]
         forward, sums = self.step_objective()
         try:
             result = self.optimizer_step_over(update, forward, lambda mb: mb.num_items)
         finally:
             self._replay(None)
+        for kept, used in zip(pending, update, strict=True):  # the first update's own: for later epochs, checkpoints
+            if kept.old_logps is None:
+                kept.old_logps = used.old_logps.cpu()
         zero = torch.zeros((), device=self.device)
         totals = self._sum_over_data_ranks(
             torch.stack([sum((s[k].float() for s in sums), zero) for k in POLICY_STATS])
@@ -191,6 +198,8 @@ class GRPOModule(LanguageModule):
         def forward(mb: RLMicroBatch) -> ModelOutput:
             self._replay(mb.routed_experts)  # kept through the backward (a recomputing block routes the same)
             logps, entropy = self._token_logps(self.model, mb, with_entropy=True)
+            if mb.old_logps is None:  # the first update of a rollout batch: the policy has not moved since sampling
+                mb.old_logps = logps.detach()
             weights = None
             if mb.sampling_logps is not None:  # truncated importance sampling: the engine's numerics are not ours
                 cap = self.engine_settings.importance_sampling_cap
@@ -210,7 +219,7 @@ class GRPOModule(LanguageModule):
         """Greedy answers to held-out prompts, judged: ``val/reward`` and ``val/exact_match``."""
         datamodule = self.trainer.datamodule
         tokenizer = datamodule.load_tokenizer()
-        stop = stop_token_ids(tokenizer, datamodule.template)
+        stop = self._stop_token_ids()
         stop_ids = tuple(sorted({*self.sampling.stop_token_ids, *stop}))
         config = GenerationConfig(max_new_tokens=self.eval_max_new_tokens, stop_token_ids=stop_ids)  # greedy
         prompts = [self._render(row) for row in batch]
@@ -293,6 +302,14 @@ class GRPOModule(LanguageModule):
             self.engine_settings, self.model, self.hf_dir, self.device, seed=self.sampling.seed + rank, group=group
         )
 
+    def _stop_token_ids(self) -> tuple[int, ...]:
+        """The tokenizer's and the template's stop tokens, looked up once (the lookup reads the whole vocabulary)."""
+        datamodule = self.trainer.datamodule
+        key = (datamodule.load_tokenizer(), datamodule.template)
+        if self._stop is None or self._stop[0] != key:
+            self._stop = (key, stop_token_ids(*key))
+        return self._stop[1]
+
     def _render(self, row: dict[str, Any]) -> list[int]:
         datamodule = self.trainer.datamodule
         return chat_prompt_ids(
@@ -303,7 +320,7 @@ class GRPOModule(LanguageModule):
         """Produce a rollout batch and cut it into the pending updates."""
         datamodule = self.trainer.datamodule
         tokenizer = datamodule.load_tokenizer()
-        stop = stop_token_ids(tokenizer, datamodule.template)
+        stop = self._stop_token_ids()
         rank = datamodule.data_parallel_rank()[0]
         sampling = replace(self.sampling, seed=self.sampling.seed + 1_000_003 * rank)
         if self._synced_step != self.global_step:  # the engine samples with the weights of this step
@@ -320,9 +337,11 @@ class GRPOModule(LanguageModule):
             for chunk in split_round_robin(list(zip(samples, advantages)), self.updates.mini_batches)
         ]
         with torch.no_grad():
-            for update in updates:
+            for k, update in enumerate(updates):
                 for mb in update:
-                    self._fill_logps(mb)
+                    # the first update's old log-probabilities come from its own forward (module docstring), unless
+                    # that forward must replay the routing this one records
+                    self._fill_logps(mb, policy=k > 0 or self.routing_replay)
         self._pending = [list(update) for _ in range(self.updates.epochs) for update in updates]
 
     def _produce_groups(
@@ -401,20 +420,21 @@ class GRPOModule(LanguageModule):
         )
         return out
 
-    def _fill_logps(self, mb: RLMicroBatch) -> None:
-        """The old log-probabilities of a produced micro-batch (recording the routing under routing replay) and,
-        with a KL term, the reference's."""
+    def _fill_logps(self, mb: RLMicroBatch, policy: bool = True) -> None:
+        """The old log-probabilities of a produced micro-batch (``policy``; recording the routing under routing
+        replay) and, with a KL term, the reference's."""
         device_mb = self._on_device(mb)
-        blocks = self.model.moe_blocks() if self.routing_replay else []
-        for block in blocks:
-            block.record_routing(True)
-        try:
-            mb.old_logps = self._token_logps(self.model, device_mb)[0].cpu()
-        finally:
+        if policy:
+            blocks = self.model.moe_blocks() if self.routing_replay else []
             for block in blocks:
-                block.record_routing(False)
-        if blocks:
-            mb.routed_experts = [block.recorded.cpu() for block in blocks]
+                block.record_routing(True)
+            try:
+                mb.old_logps = self._token_logps(self.model, device_mb)[0].cpu()
+            finally:
+                for block in blocks:
+                    block.record_routing(False)
+            if blocks:
+                mb.routed_experts = [block.recorded.cpu() for block in blocks]
         if self.reference.computes_live:
             with self.reference.computing(self.model) as reference:
                 mb.ref_logps = self._token_logps(reference, device_mb)[0].cpu()

@@ -32,7 +32,8 @@ class RLMicroBatch:
         rows: ``(B, T)`` index into ``positions`` of each sequence's completion tokens (0 where ``mask`` is 0).
         mask: ``(B, T)`` 1 on completion tokens.
         advantages: ``(B,)`` per sequence.
-        old_logps: ``(B, T)`` the sampling policy's log-probabilities (set once the batch is produced).
+        old_logps: ``(B, T)`` the sampling policy's log-probabilities (set when the batch is produced, or by the
+            forward of its first update).
         ref_logps: ``(B, T)`` the reference's (with a KL term).
         num_items: This micro-batch's share of the loss normalizer.
         sampling_logps: ``(B, T)`` the rollout engine's log-probabilities (engines that return them, e.g. vLLM).
