@@ -719,6 +719,8 @@ def _print_setup(cfg: PrefConfig, info: dict[str, Any]) -> None:
             f"undesirable_weight={s['undesirable_weight']}"
         )
     precision = "bf16-mixed (fp32 weights, CPU autocast bf16)" if cfg.precision == "bf16-mixed" else "fp32"
+    if cfg.precision == "32-true":
+        precision += " [CPU fallback: the recipe's bf16-mixed; this CPU has no native bf16 (--precision bf16-mixed)]"
     optimizer = (
         f"fused AdamW lr {hf['lr']}, betas {tuple(hf['betas'])}, eps {hf['eps']}, wd {hf['weight_decay']}, clip "
         f"{hf['max_grad_norm']}; {hf['schedule']} schedule, warmup {hf['warmup_steps']}, min lr ratio "
@@ -739,11 +741,12 @@ def _print_setup(cfg: PrefConfig, info: dict[str, Any]) -> None:
             "precision": precision,
             "batch": f"{hf['micro_batches']} packs x {hf['max_length']} tokens per step",
             "reference": "precomputed (table from the starting policy before step 1, stored in the data cache)",
-            "packing": "best-fit packs of whole pairs, no padding inside; one forward per pack for chosen + rejected "
-            "(KTO: row + mismatched KL sequence) [xtl-only]",
+            "packing": "best-fit packs of whole pairs, no padding inside [xtl-only]",
+            "forward": "DPO: one forward + backward per pack for chosen + rejected; KTO: the rows forward + backward, "
+            "their mismatched KL sequences packed apart, forward without gradient",
             "attention": "sdpa per document (varlen) [xtl-only]",
             "projections": "q/k/v fused, gate/up fused [xtl-only]" if cfg.fused else "separate (as TRL)",
-            "head+loss": "fused chunked LM head + log-probs on scored rows only, no logits materialized",
+            "head+loss": "LM head on the scored rows only (topped up to a multiple of 128), fp32 log-softmax",
             "gradient checkpointing": "off",
             "optimizer": optimizer,
             "logging": "every step (recipe)",
@@ -752,7 +755,7 @@ def _print_setup(cfg: PrefConfig, info: dict[str, Any]) -> None:
             "runs": f"trl.{'DPOTrainer' if cfg.objective == 'dpo' else 'KTOTrainer'} (use_cpu=True), {trl_loss}",
             "precision": "bf16=True (accelerate CPU autocast bf16, fp32 weights)"
             if cfg.precision == "bf16-mixed"
-            else "fp32",
+            else "bf16=False: fp32 (as xtl)",
             "batch": f"per_device_train_batch_size={cfg.trl_batch} pairs x gradient_accumulation_steps="
             f"{hf['micro_batches']}",
             "reference": f"precompute_ref_log_probs=True, precompute_ref_batch_size={cfg.trl_batch}",
