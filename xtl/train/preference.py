@@ -20,16 +20,18 @@ losses do not depend on how its packs are spread over data-parallel ranks.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torchmetrics
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
-from xtl.batch import ModelOutput
-from xtl.data.collate import MicroBatch
+from xtl.batch import ModelOutput, SequenceContext
+from xtl.data.collate import MicroBatch, loss_rows
 from xtl.data.datamodule import XTLDataModule
 from xtl.data.item import IGNORE_INDEX
 from xtl.data.preference import PREFERENCE_KIND
@@ -70,6 +72,59 @@ def sequence_logps(
     logps = context_sum(share, group)
     counts = document_sums(scores.scored.float(), scores.positions, batch.seq_ctx, docs, group)
     return SequenceLogps(logps[0::2], logps[1::2], counts[0::2], counts[1::2]), nll_sum
+
+
+@dataclass
+class UnpairedMicroBatch(MicroBatch):
+    """An unpaired (KTO) training micro-batch with its rows' own documents and their mismatched (KL) documents also
+    packed apart, cut on the host (:func:`split_unpaired`): the rows train with gradient, the mismatched documents
+    only give the KL estimate, so they run forward without gradient (no backward through them).
+
+    Attributes:
+        rows: The even documents (each row's own completion), packed.
+        mismatched: The odd documents (the mismatched completions), packed.
+    """
+
+    rows: MicroBatch | None = None
+    mismatched: MicroBatch | None = None
+
+    def to(self, device: torch.device | str, non_blocking: bool | None = None) -> UnpairedMicroBatch:
+        """The micro-batch and both parts on ``device``."""
+        whole = MicroBatch.to(self, device, non_blocking)
+        parts = {name: getattr(self, name).to(device, non_blocking) for name in ("rows", "mismatched")}
+        return UnpairedMicroBatch(**{f: getattr(whole, f) for f in MicroBatch.__dataclass_fields__}, **parts)
+
+
+def documents_apart(batch: MicroBatch, first: int, docs: int) -> MicroBatch:
+    """Documents ``first, first + 2, ...`` (below ``docs``) of a host-side micro-batch, packed as a micro-batch of
+    their own (labels, per-document positions and the head's rows as :func:`~xtl.data.collate.collate_pack` makes
+    them)."""
+    bounds = batch.seq_ctx.doc_bounds
+    spans = [(bounds[k], bounds[k + 1]) for k in range(first, docs, 2)]
+    ids = torch.cat([batch.seq_ctx.input_ids[:, a:b] for a, b in spans], dim=1)
+    labels = torch.cat([batch.labels[:, a:b] for a, b in spans], dim=1)
+    ctx = SequenceContext.from_lengths(ids, [b - a for a, b in spans])
+    supervised = np.flatnonzero(labels[0].numpy() != IGNORE_INDEX)
+    rows = loss_rows(supervised, labels.shape[1])
+    if rows is not None:
+        ctx.loss_positions = torch.from_numpy(rows)
+    tags = None if batch.doc_tags is None else tuple(batch.doc_tags[first:docs:2])
+    return MicroBatch(ctx, labels, int(supervised.size), ids.shape[1], batch.pack_index, tags)
+
+
+def split_unpaired(batch: MicroBatch) -> MicroBatch:
+    """An unpaired host-side micro-batch with its rows and mismatched documents packed apart
+    (:class:`UnpairedMicroBatch`); unchanged when it cannot be cut (a context-parallel share, images, no pairs)."""
+    ctx = batch.seq_ctx
+    docs = 2 * pair_count(batch)
+    if docs == 0 or ctx.doc_bounds is None or ctx.extras or ctx.share_start or ctx.input_ids is None:
+        return batch
+    if ctx.input_ids.device.type != "cpu" or ctx.pack_input_ids is not None:
+        return batch
+    fields = {f: getattr(batch, f) for f in MicroBatch.__dataclass_fields__}
+    return UnpairedMicroBatch(
+        **fields, rows=documents_apart(batch, 0, docs), mismatched=documents_apart(batch, 1, docs)
+    )
 
 
 class PreferenceModule(LanguageModule):
@@ -140,6 +195,22 @@ class PreferenceModule(LanguageModule):
         datamodule = self._trainer.datamodule if self._trainer is not None else None
         if isinstance(datamodule, XTLDataModule):
             self._check_data_kinds(datamodule)
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """KTO and unpaired APO-zero training batches: each micro-batch's rows and mismatched documents are also
+        packed apart (:func:`split_unpaired`), so that only the rows run backward. Context parallelism keeps its
+        own split (the joint forward)."""
+        batch = super().on_before_batch_transfer(batch, dataloader_idx)
+        trainer = self._trainer
+        if (
+            not self.objective.unpaired
+            or trainer is None
+            or not trainer.training
+            or self.parallelizer.layout.cp > 1
+            or not isinstance(batch, list)
+        ):
+            return batch
+        return [split_unpaired(mb) if isinstance(mb, MicroBatch) and mb.doc_tags is not None else mb for mb in batch]
 
     # ---- training --------------------------------------------------------------------------------------------
 
@@ -232,8 +303,11 @@ class PreferenceModule(LanguageModule):
         if unpaired != (mb.doc_tags is not None):
             raise ConfigError(_kind_mismatch(self.objective.loss_type, "this micro-batch's"))
         group = self.parallelizer.meshes.cp_group()
-        scores = score_tokens(self.model, mb.seq_ctx, mb.labels)
-        policy, nll_sum = sequence_logps(scores, mb, group)
+        if isinstance(mb, UnpairedMicroBatch) and torch.is_grad_enabled():
+            scores, policy, nll_sum = self._unpaired_policy(mb)
+        else:
+            scores = score_tokens(self.model, mb.seq_ctx, mb.labels)
+            policy, nll_sum = sequence_logps(scores, mb, group)
         reference = None
         if self.reference.mode == "precomputed":
             chosen, rejected = self.precomputed.lookup(dataset, mb.pack_index, pair_count(mb))
@@ -247,6 +321,23 @@ class PreferenceModule(LanguageModule):
         labels = torch.tensor(mb.doc_tags[0 : 2 * pair_count(mb) : 2], dtype=torch.bool, device=self.device)
         kl = self.objective.kl_point(policy, reference) if self.objective.loss_type == "kto" else None
         return output, self.objective.terms(policy, reference, nll_sum, labels, kl), policy
+
+    def _unpaired_policy(self, mb: UnpairedMicroBatch) -> tuple[TokenScores, SequenceLogps, torch.Tensor]:
+        """The policy's scores of the rows (with gradient) and its log-probabilities of the rows and of the
+        mismatched documents (without gradient; KTO's KL estimate, none for unpaired APO-zero: zeros)."""
+        pairs = pair_count(mb)
+        rows, mismatched = mb.rows, mb.mismatched
+        scores = score_tokens(self.model, rows.seq_ctx, rows.labels)
+        chosen = document_sums(scores.logps, scores.positions, rows.seq_ctx, pairs)
+        chosen_tokens = document_sums(scores.scored.float(), scores.positions, rows.seq_ctx, pairs)
+        if self.objective.loss_type == "kto":
+            with torch.no_grad():
+                other = score_tokens(self.model, mismatched.seq_ctx, mismatched.labels)
+                rejected = document_sums(other.logps, other.positions, mismatched.seq_ctx, pairs)
+                rejected_tokens = document_sums(other.scored.float(), other.positions, mismatched.seq_ctx, pairs)
+        else:
+            rejected, rejected_tokens = torch.zeros_like(chosen), torch.zeros_like(chosen_tokens)
+        return scores, SequenceLogps(chosen, rejected, chosen_tokens, rejected_tokens), -chosen.sum()
 
     def _check_data_kinds(self, datamodule: XTLDataModule) -> None:
         """Refuse sets of the kind the objective does not train on (a chat set, pairs for KTO, rows for DPO)."""
