@@ -71,19 +71,20 @@ from pathlib import Path
 from typing import Any
 
 from _paired import PairedResult, add_protocol_args, load_average, print_configs, run_pairs
-from train_step import (
+from _peers import (
     WORDS,
     SideResult,
     StepTimer,
-    _breakdown,
-    _child_setup,
-    _cpu_has_bf16,
-    _describe,
-    _in_child,
-    _peer_args,
-    _peer_clock,
-    _peer_optimizers,
-    _run_line,
+    breakdown,
+    child_setup,
+    cpu_has_bf16,
+    describe,
+    in_child,
+    optimizer_hparams,
+    peer_args,
+    peer_clock,
+    peer_optimizers,
+    run_line,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -265,7 +266,7 @@ def _length_grouped(rows: list[dict[str, Any]], batch: int, seed: int) -> list[d
 def prepare(cfg: PrefConfig) -> dict[str, Any]:
     """Save the weights, parse the recipe with xtl's CLI, warm xtl's cache, write TRL's rows (xtl's pairs), and
     assert one step's loss equal on both sides."""
-    _child_setup(cfg.threads)
+    child_setup(cfg.threads)
     import dataclasses
 
     from datasets import Dataset
@@ -285,18 +286,9 @@ def prepare(cfg: PrefConfig) -> dict[str, Any]:
     trl_batch = max(1, round(pairs_per_pack))
     ordered = _length_grouped(rows, trl_batch, cfg.seed)
     Dataset.from_list(ordered).save_to_disk(str(work / "trl_data"))
-    optimizer, schedule, objective = module.optimizer_config, module.schedule, module.objective
+    objective = module.objective
     hf = {
-        "lr": optimizer.lr,
-        "weight_decay": optimizer.weight_decay,
-        "no_decay_norm_bias_embed": optimizer.no_decay_norm_bias_embed,
-        "betas": list(optimizer.betas),
-        "eps": optimizer.eps,
-        "warmup_steps": schedule.warmup_steps,
-        "schedule": schedule.kind,
-        "min_lr_ratio": schedule.min_lr_ratio,
-        "total_steps": int(schedule.decay_steps or cfg.steps),
-        "max_grad_norm": module.hparams.max_grad_norm,
+        **optimizer_hparams(module, cfg.steps),
         "max_length": dm.pack_max_length,
         "micro_batches": dm.micro_batches_per_step,
     }
@@ -324,7 +316,7 @@ def prepare(cfg: PrefConfig) -> dict[str, Any]:
     return {
         "cfg": full,
         "check": check,
-        "model": _describe(module.model_config),
+        "model": describe(module.model_config),
         "params": sum(p.numel() for p in module.model_config.build().parameters()),
         "pairs": len(rows),
         "packs": len(split.plan),
@@ -426,7 +418,7 @@ def _trl_trainer(
 
     settings = cfg.objective_settings
     common = {
-        **_peer_args(cfg, name),
+        **peer_args(cfg, name),
         "per_device_train_batch_size": batch,
         "gradient_accumulation_steps": accumulation,
         "max_length": cfg.hf["max_length"],
@@ -474,7 +466,7 @@ def _trl_trainer(
         args=args,
         train_dataset=dataset,
         processing_class=tokenizer,
-        optimizers=_peer_optimizers(model, cfg.hf),
+        optimizers=peer_optimizers(model, cfg.hf),
         callbacks=callbacks,
     )
 
@@ -498,7 +490,7 @@ def _counting(collate: Any, counts: list[tuple[int, int, int]]) -> Any:
 
 def run_trl(cfg: PrefConfig) -> SideResult:
     """Train with TRL's ``DPOTrainer``/``KTOTrainer`` on xtl's pairs, reference log-probabilities precomputed."""
-    _child_setup(cfg.threads, uses_lightning=False)
+    child_setup(cfg.threads, uses_lightning=False)
     import torch
     from datasets import load_from_disk
     from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback
@@ -508,7 +500,7 @@ def run_trl(cfg: PrefConfig) -> SideResult:
     timer = StepTimer()
     model = AutoModelForCausalLM.from_pretrained(cfg.hf_dir, attn_implementation="sdpa", dtype=torch.float32)
     timer.watch(model)
-    clock = _peer_clock(timer, counts, cfg.hf["micro_batches"])
+    clock = peer_clock(timer, counts, cfg.hf["micro_batches"])
     timings: dict[str, float] = {}
     trainer = _trl_trainer(
         cfg,
@@ -533,7 +525,7 @@ def run_trl(cfg: PrefConfig) -> SideResult:
 
 def run_xtl(cfg: PrefConfig) -> SideResult:
     """Build the ``xtl fit`` objects of the recipe, add a step clock, train ``cfg.steps`` steps."""
-    _child_setup(cfg.threads, uses_datasets=False)
+    child_setup(cfg.threads, uses_datasets=False)
     import lightning.pytorch as pl
 
     from xtl.cli import XTLCLI
@@ -615,14 +607,14 @@ def run_objective(args: argparse.Namespace, objective: str, precision: str, step
             data.write_text("".join(source.read_text().splitlines(keepends=True)[: args.rows]))
             cfg.pack, cfg.micro_batches = 512, 4
         cfg.xtl_args = xtl_args(cfg, data)
-        info = _in_child(prepare, cfg)
+        info = in_child(prepare, cfg)
         cfg = info["cfg"]
         _print_setup(cfg, info)
         runs: dict[str, list[SideResult]] = {"xtl": [], "trl": []}
 
         def side(name: str, fn: Any) -> Any:
             def run() -> float:
-                runs[name].append(_in_child(fn, cfg))
+                runs[name].append(in_child(fn, cfg))
                 return runs[name][-1].useful_tok_s
 
             return run
@@ -630,7 +622,7 @@ def run_objective(args: argparse.Namespace, objective: str, precision: str, step
         def on_pair(i: int, a: float, b: float) -> None:
             print(f"repetition {i + 1} ({'xtl' if (args.warmup + i) % 2 == 0 else 'trl'} first):", flush=True)
             for name, results in runs.items():
-                print(_run_line(name, results[-1]).split("; step 1")[0], flush=True)
+                print(run_line(name, results[-1]).split("; step 1")[0], flush=True)
 
         speed = run_pairs(
             side("xtl", run_xtl), side("trl", run_trl), args.pairs, args.warmup, "useful tokens/s", True, on_pair
@@ -660,7 +652,7 @@ def run_objective(args: argparse.Namespace, objective: str, precision: str, step
         )
     print("  where the time goes (median per timed step):")
     for name, results in timed.items():
-        print("  " + _breakdown(name, results))
+        print("  " + breakdown(name, results))
     ratio = statistics.median(speed.ratios)
     print(
         f"  {objective} {args.data}: xtl/TRL useful tok/s {ratio:.2f}x (min {min(speed.ratios):.2f} .. max "
@@ -694,7 +686,7 @@ def main() -> None:
     steps = args.steps or DEFAULT_STEPS[args.data]
     if steps < 2:
         parser.error("--steps must be >= 2 (step 1 is excluded as warm-up)")
-    precision = args.precision if args.precision != "auto" else ("bf16-mixed" if _cpu_has_bf16() else "32-true")
+    precision = args.precision if args.precision != "auto" else ("bf16-mixed" if cpu_has_bf16() else "32-true")
     print(f"load average before: {load_average()}")
     start = time.perf_counter()
     results = {o: run_objective(args, o, precision, steps) for o in objectives}

@@ -58,7 +58,7 @@ from pathlib import Path
 from typing import Any
 
 from _paired import PairedResult, add_protocol_args, load_average, pin_threads, print_configs, run_pairs
-from train_step import _child_setup, _cpu_has_bf16, _in_child, _peer_optimizers
+from _peers import child_setup, cpu_has_bf16, in_child, optimizer_hparams, peer_optimizers
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "configs" / "tiny_grpo.yaml"
@@ -214,7 +214,6 @@ def save_policy(hf_dir: Path, seed: int = 0) -> None:
 def recipe_settings(module: Any) -> dict[str, Any]:
     """The recipe's settings both sides take (from the parsed ``GRPOModule``)."""
     sampling, objective, rollout, updates = module.sampling, module.objective, module.rollout, module.updates
-    optimizer, schedule = module.optimizer_config, module.schedule
     return {
         "group_size": sampling.group_size,
         "max_new_tokens": sampling.max_new_tokens,
@@ -231,23 +230,13 @@ def recipe_settings(module: Any) -> dict[str, Any]:
         "epsilon_high": objective.epsilon_high,
         "beta": objective.beta,
         "scale_rewards": objective.scale_rewards,
-        # _peer_optimizers' keys (benchmarks/train_step.py)
-        "lr": optimizer.lr,
-        "weight_decay": optimizer.weight_decay,
-        "no_decay_norm_bias_embed": optimizer.no_decay_norm_bias_embed,
-        "betas": list(optimizer.betas),
-        "eps": optimizer.eps,
-        "warmup_steps": schedule.warmup_steps,
-        "schedule": schedule.kind,
-        "min_lr_ratio": schedule.min_lr_ratio,
-        "total_steps": int(schedule.decay_steps or 1000),
-        "max_grad_norm": module.hparams.max_grad_norm,
+        **optimizer_hparams(module, 1000),
     }
 
 
 def prepare(cfg: BenchConfig) -> dict[str, Any]:
     """Save the policy, draw xtl's prompts, and assert that both sides judge and score xtl's completions alike."""
-    _child_setup(cfg.threads)
+    child_setup(cfg.threads)
     full, prompts, judger, about = setup(cfg)
     check = same_step_check(full, prompts[: full.settings["prompts_per_step"]], judger)
     return {"cfg": full, "check": check, **about}
@@ -340,7 +329,7 @@ def trl_trainer(
         args=args,
         train_dataset=dataset,
         processing_class=tokenizer,
-        optimizers=_peer_optimizers(model, s),
+        optimizers=peer_optimizers(model, s),
         callbacks=callbacks,
     )
 
@@ -499,7 +488,7 @@ def trl_inputs(samples: list[tuple[Any, float]], pad_id: int) -> dict[str, Any]:
 
 def run_xtl(cfg: BenchConfig) -> SideResult:
     """``xtl fit`` of the recipe for ``cycles + 1`` rollout batches, its stages timed."""
-    _child_setup(cfg.threads, uses_datasets=False)
+    child_setup(cfg.threads, uses_datasets=False)
     import lightning.pytorch as pl
 
     from xtl.cli import XTLCLI
@@ -536,7 +525,7 @@ def run_xtl(cfg: BenchConfig) -> SideResult:
 
 def run_trl(cfg: BenchConfig) -> SideResult:
     """``GRPOTrainer.train`` for ``cycles + 1`` rollout batches, its stages timed."""
-    _child_setup(cfg.threads, uses_lightning=False)
+    child_setup(cfg.threads, uses_lightning=False)
     import torch
     from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
     from transformers import TrainerCallback
@@ -585,7 +574,7 @@ def main() -> None:
     parser.add_argument("--no-fused", action="store_true", help="xtl with separate q/k/v and gate/up projections")
     args = parser.parse_args()
     pin_threads(args.threads)
-    precision = args.precision if args.precision != "auto" else ("bf16-mixed" if _cpu_has_bf16() else "32-true")
+    precision = args.precision if args.precision != "auto" else ("bf16-mixed" if cpu_has_bf16() else "32-true")
     print(f"load average before: {load_average()}")
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="xtl-rl-bench-") as tmp:
@@ -593,7 +582,7 @@ def main() -> None:
             work_dir=tmp, threads=args.threads, precision=precision, cycles=args.cycles, seed=args.seed,
             fused=not args.no_fused, trl_generation=args.trl_generation,
         )  # fmt: skip
-        info = _in_child(prepare, cfg)
+        info = in_child(prepare, cfg)
         cfg = info["cfg"]
         cfg.xtl_args = xtl_args(cfg, (cfg.cycles + 1) * cfg.settings["mini_batches"] * cfg.settings["epochs"])
         _print_setup(cfg, info)
@@ -601,7 +590,7 @@ def main() -> None:
 
         def side(name: str, fn: Any) -> Any:
             def run() -> float:
-                runs[name].append(_in_child(fn, cfg))
+                runs[name].append(in_child(fn, cfg))
                 return runs[name][-1].median("step")
 
             return run

@@ -2,32 +2,20 @@
 
 from __future__ import annotations
 
-import importlib
-import sys
-from pathlib import Path
-from types import ModuleType
-
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-
-
-def _bench() -> ModuleType:
-    """Import the script as its own directory's module (it imports the shared ``_paired`` by name)."""
-    if str(BENCHMARKS) not in sys.path:
-        sys.path.insert(0, str(BENCHMARKS))
-    return importlib.import_module("generate")
+from tests.benchmarks import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def sides():
-    return _bench().build_sides(batch=4, group=2)
+    return load_benchmark("generate").build_sides(batch=4, group=2)
 
 
 class TestGenerateBenchmark:
     @pytest.mark.parametrize("prefill", ["packed", "padded"])
     def test_both_sides_decode_the_same_greedy_tokens(self, sides, prefill: str) -> None:
-        bench = _bench()
+        bench = load_benchmark("generate")
         greedy = bench.Sampling(new_tokens=12)
         xtl = bench.run_xtl(sides, greedy, prefill)
         assert xtl == bench.run_hf(sides, greedy)
@@ -36,7 +24,7 @@ class TestGenerateBenchmark:
 
     def test_a_changed_prompt_changes_the_tokens(self, sides) -> None:
         """The check can fail: the transformers side on other ids decodes other tokens."""
-        bench = _bench()
+        bench = load_benchmark("generate")
         greedy = bench.Sampling(new_tokens=12)
         reference = bench.run_hf(sides, greedy)
         sides.input_ids[0, -1] = (int(sides.input_ids[0, -1]) + 1) % 1600
@@ -47,7 +35,7 @@ class TestGenerateBenchmark:
             sides.input_ids[0, -1] = sides.prompts[0][-1]
 
     def test_sampled_runs_decode_the_asked_budget_on_both_sides(self, sides) -> None:
-        bench = _bench()
+        bench = load_benchmark("generate")
         sampled = bench.Sampling(new_tokens=6, temperature=1.0, top_p=0.9, top_k=20, seed=3)
         assert bench.hf_generation_kwargs(sampled)["top_k"] == 20
         assert bench.xtl_generation_config(sampled).do_sample

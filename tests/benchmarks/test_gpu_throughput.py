@@ -2,28 +2,15 @@
 
 from __future__ import annotations
 
-import importlib
-import sys
-from pathlib import Path
-from types import ModuleType
-
 import pytest
 
+from tests.benchmarks import load_benchmark
 from xtl.model.dims import ModelDims
-
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-
-
-def _bench() -> ModuleType:
-    """Import the script as its own directory's module (it imports the shared ``_paired`` by name)."""
-    if str(BENCHMARKS) not in sys.path:
-        sys.path.insert(0, str(BENCHMARKS))
-    return importlib.import_module("gpu_throughput")
 
 
 class TestGpuThroughput:
     def test_default_matrix_covers_every_model_pack_and_configuration(self) -> None:
-        bench = _bench()
+        bench = load_benchmark("gpu_throughput")
         runs = bench.parse_args([]).matrix
         assert len(runs) == 2 * 2 * 7
         assert [(r.model, r.seq) for r in runs[:8:7]] == [("dense", 4096), ("dense", 16384)]
@@ -32,7 +19,7 @@ class TestGpuThroughput:
         assert [r.attn_impl for r in runs[:2]] == ["sdpa", "flash"]
 
     def test_dry_run_names_each_configuration_and_what_it_turns_on(self, capsys) -> None:
-        bench = _bench()
+        bench = load_benchmark("gpu_throughput")
         assert bench.main(["--dry-run", "--models", "dense", "--seqs", "4096", "--configs", "baseline,fused+fp8"]) == 0
         out = capsys.readouterr().out
         assert "  baseline: attn_impl: sdpa, separate projections, no callbacks" in out
@@ -40,23 +27,23 @@ class TestGpuThroughput:
         assert "FP8Training(recipe=tensorwise)" in out
 
     def test_fused_configuration_builds_fused_projections(self) -> None:
-        bench = _bench()
+        bench = load_benchmark("gpu_throughput")
         assert bench.model_config("dense", fused=True).fused_projections
         assert not bench.model_config("dense").fused_projections
 
     def test_feature_order_and_duplicates_do_not_change_the_matrix(self) -> None:
-        bench = _bench()
+        bench = load_benchmark("gpu_throughput")
         runs = bench.parse_args(["--models", "moe", "--seqs", "4096", "--configs", "fp8+flash,flash+fp8"]).matrix
         assert [r.name for r in runs] == ["flash+fp8"]
 
     @pytest.mark.parametrize("argv", [["--configs", "baseline,turbo"], ["--models", "dense,big"], ["--steps", "4"]])
     def test_bad_arguments_exit_2(self, argv: list[str]) -> None:
         with pytest.raises(SystemExit) as err:
-            _bench().parse_args(argv)
+            load_benchmark("gpu_throughput").parse_args(argv)
         assert err.value.code == 2
 
     def test_document_lengths_fill_the_pack(self) -> None:
-        bench = _bench()
+        bench = load_benchmark("gpu_throughput")
         lengths = bench.document_lengths(16384, 2048)
         assert sum(lengths) == 16384 and len(set(lengths)) > 1
         assert all(1 <= n <= 3072 for n in lengths) and all(n >= 1024 for n in lengths[:-1])
@@ -64,7 +51,7 @@ class TestGpuThroughput:
         assert bench.document_lengths(4096, 0) == [4096] == bench.document_lengths(4096, 8192)
 
     def test_flops_and_mfu_come_from_model_dims(self) -> None:
-        bench = _bench()
+        bench = load_benchmark("gpu_throughput")
         dims = ModelDims.from_config(bench.model_config("dense"))
         per_step = bench.flops_per_step(dims, [2048, 2048, 904])
         assert per_step == pytest.approx(2 * 2048 * dims.flops_per_token(2048) + 904 * dims.flops_per_token(904))
@@ -75,7 +62,7 @@ class TestGpuThroughput:
     def test_without_cuda_it_exits_2_before_building(self, monkeypatch: pytest.MonkeyPatch) -> None:
         import torch
 
-        bench = _bench()
+        bench = load_benchmark("gpu_throughput")
         monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
         monkeypatch.setattr(bench, "measure", lambda *a: pytest.fail("measured without CUDA"))
         assert bench.main(["--models", "dense", "--seqs", "4096", "--configs", "baseline"]) == 2
