@@ -221,7 +221,7 @@ def lr_factor(kind: str, warmup_steps: int, total_steps: int, min_lr_ratio: floa
     return factor
 
 
-def param_groups(model: Any, weight_decay: float, no_decay_norm_bias_embed: bool) -> list[dict[str, Any]]:
+def peer_param_groups(model: Any, weight_decay: float, no_decay_norm_bias_embed: bool) -> list[dict[str, Any]]:
     """A copy of ``xtl.train.optim.param_groups``: no decay on norms, biases and embeddings (setup asserts it)."""
     import torch
 
@@ -262,7 +262,7 @@ def peer_optimizers(model: Any, hf: dict[str, Any]) -> tuple[Any, Any]:
     """xtl's optimizer and schedule for a peer: fused AdamW over xtl's groups, xtl's warmup + decay as LambdaLR."""
     import torch
 
-    groups = param_groups(model, hf["weight_decay"], hf["no_decay_norm_bias_embed"])
+    groups = peer_param_groups(model, hf["weight_decay"], hf["no_decay_norm_bias_embed"])
     optimizer = torch.optim.AdamW(groups, lr=hf["lr"], betas=tuple(hf["betas"]), eps=hf["eps"], fused=True)
     factor = lr_factor(hf["schedule"], hf["warmup_steps"], hf["total_steps"], hf["min_lr_ratio"])
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

@@ -127,6 +127,7 @@ from _peers import (
     peer_args,
     peer_clock,
     peer_optimizers,
+    peer_param_groups,
     run_line,
 )
 
@@ -470,7 +471,7 @@ def _check_same_objective(
     mine = lr_factor(hf["schedule"], hf["warmup_steps"], hf["total_steps"], hf["min_lr_ratio"])
     assert all(ref(s) == mine(s) for s in range(hf["total_steps"] + 2)), "peer schedule differs from xtl's"
     ours = param_groups(module.model_config.build(), hf["weight_decay"], hf["no_decay_norm_bias_embed"])
-    theirs = param_groups(model, hf["weight_decay"], hf["no_decay_norm_bias_embed"])
+    theirs = peer_param_groups(model, hf["weight_decay"], hf["no_decay_norm_bias_embed"])
     sizes = [[(sum(p.numel() for p in g["params"]), g["weight_decay"]) for g in x] for x in (ours, theirs)]
     assert sizes[0] == sizes[1], f"peer parameter groups (numel, weight decay) {sizes[1]} differ from xtl's {sizes[0]}"
     assert module.optimizer_config.__class__.__name__ == "AdamWConfig", "the peers run AdamW: the recipe must too"
