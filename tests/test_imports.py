@@ -16,7 +16,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "xtl"
 # Lowest first: a package may import its own layer and the ones below.
 LAYERS = (
-    ("xtl", "errors", "utils", "batch", "_quiet"),
+    ("xtl", "errors", "utils", "batch", "_quiet", "agent_tools"),
     ("ops",),
     ("module",),
     ("model", "data"),

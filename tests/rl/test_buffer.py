@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import pytest
 
 from xtl.rl import FunctionJudger, Rollout, RolloutEngine, SamplingSettings
+from xtl.rl.agent import AgentContext, SingleTurnLoop
 from xtl.rl.buffer import Group, ProduceStats, ReplayBuffer, Sample, SampleState, produce_batch
 
 STOP = 99
@@ -37,19 +38,30 @@ def _rows(n: int) -> list[dict]:
             for k in range(n)]  # fmt: skip
 
 
+class IndexChat:
+    """A chat format whose prompt of a row is ``[index]`` and whose answer is the last token before the stop."""
+
+    stop_token_ids = (STOP,)
+
+    def prompt_ids(self, messages, tools=None):
+        return [int(messages[-1]["content"])]
+
+    def answer(self, ids):
+        return str([t for t in ids if t != STOP][-1])
+
+
 def _produce(engine, judger, buffer, num_groups=2, version=0, **kwargs):
     rows = iter(_rows(100))
     return produce_batch(
         num_groups,
         lambda n: [next(rows) for _ in range(n)],
-        lambda row: [row["index"]],
-        lambda ids: str(ids[-1]),
+        SingleTurnLoop(),
+        AgentContext(IndexChat()),
         engine,
         judger,
         SamplingSettings(group_size=4),
         buffer,
         version,
-        (STOP,),
         **kwargs,
     )
 

@@ -5,12 +5,16 @@ A prompt's ``group_size`` completions form a :class:`Group`. Each sample is in o
 - ``completed``: generated and judged; it can train;
 - ``failed``: its judging raised or timed out (its reward is unknown: the group's advantages leave it out);
 - ``filtered``: dynamic sampling dropped its group (every reward equal: no learning signal);
-- ``aborted``: its generation was cut off by the producer (the engine stopped it);
+- ``aborted``: its generation was cut off by the producer (the engine stopped it), or its agent crashed or timed
+  out (an agent loop's trajectory that finished with ``abort``);
 - ``expired``: it waited in the buffer longer than ``max_staleness`` policy versions.
 
 :func:`produce_batch` collects ``num_groups`` trainable groups: leftovers from earlier rounds first (when still fresh
 enough), then new prompts, generated, judged and (with dynamic sampling) filtered, round after round until enough
-groups are in or ``max_rounds`` is spent. Groups beyond ``num_groups`` stay in the buffer for the next batch.
+groups are in or ``max_rounds`` is spent. Groups beyond ``num_groups`` stay in the buffer for the next batch. Each
+round's completions come from the run's agent loop (:mod:`xtl.rl.agent`): one completion per prompt by default,
+multi-turn trajectories with tools, environments or black-box agents otherwise; a trajectory's environment reward,
+when it has one, stands in for the judger's.
 :class:`ProduceStats` is what the round cost and left over, logged as ``rollout/...`` metrics.
 """
 
@@ -24,8 +28,15 @@ from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Any
 
+from xtl.rl.agent.loop import AgentContext, AgentLoop
+from xtl.rl.agent.trajectory import Segment, Trajectory
 from xtl.rl.judger import BaseJudger, RolloutState
-from xtl.rl.rollout import Rollout, RolloutEngine, SamplingSettings
+from xtl.rl.rollout import RolloutEngine, SamplingSettings
+
+# an agent loop's per-trajectory counters, logged per sample as rollout/<name>
+AGENT_COUNTERS = (
+    "turns", "tool_calls", "tool_errors", "tool_timeouts", "malformed_calls", "refused_calls", "segments",
+)  # fmt: skip
 
 
 class SampleState(str, Enum):
@@ -49,8 +60,13 @@ class Sample:
         reward: The judged score (``None`` when judging failed).
         state: Its :class:`SampleState`.
         response: The decoded completion.
-        error: Why judging failed.
+        error: Why judging failed (or why its agent aborted).
         logprobs: The engine's log-probability of each completion token (``None`` when it gives none).
+        loss_mask: 1 on the completion tokens the engine sampled, 0 on the ones an agent loop appended (tool
+            results, observations); ``None``: every token was sampled.
+        earlier: A multi-segment trajectory's earlier segments (each trains as its own sequence).
+        messages: An agent loop's conversation (judgers read it as ``extra["messages"]``).
+        stats: An agent loop's counters (turns, tool calls and their errors).
     """
 
     prompt_ids: list[int]
@@ -61,6 +77,16 @@ class Sample:
     response: str = ""
     error: str | None = None
     logprobs: list[float] | None = None
+    loss_mask: list[int] | None = None
+    earlier: list[Segment] = field(default_factory=list)
+    messages: list[dict[str, Any]] | None = None
+    stats: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def segments(self) -> list[Segment]:
+        """What trains: the earlier segments and the last one (prompt, completion, mask, log-probabilities)."""
+        mask = self.loss_mask if self.loss_mask is not None else [1] * len(self.response_ids)
+        return [*self.earlier, Segment(self.prompt_ids, self.response_ids, mask, self.logprobs)]
 
 
 @dataclass
@@ -108,7 +134,9 @@ class ProduceStats:
         tokens: Completion tokens generated for this batch.
         rounds: Generation rounds.
         leftover_groups: Groups kept in the buffer for the next batch.
-        truncated: Completions cut at ``max_new_tokens`` among the trained ones.
+        truncated: Completions cut at ``max_new_tokens`` (or an agent loop's budget) among the trained ones.
+        agent: An agent loop's counters summed over the samples generated (turns, tool calls and their errors,
+            segments).
     """
 
     generation_seconds: list[float] = field(default_factory=list)
@@ -120,6 +148,7 @@ class ProduceStats:
     rounds: int = 0
     leftover_groups: int = 0
     truncated: int = 0
+    agent: Counter = field(default_factory=Counter)
 
     def metrics(self) -> dict[str, float]:
         """``rollout/...`` metrics: generation time percentiles, samples by state, rewards, samples and tokens."""
@@ -138,6 +167,8 @@ class ProduceStats:
             "rollout/truncated": float(self.truncated),
         }
         out.update({f"rollout/{state.value}": float(self.states.get(state, 0)) for state in SampleState})
+        if self.agent:  # an agent loop's turns and tool calls, per sample
+            out.update({f"rollout/{name}": self.agent.get(name, 0) / max(self.samples, 1) for name in AGENT_COUNTERS})
         return out
 
 
@@ -179,23 +210,20 @@ class ReplayBuffer:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`."""
-        self.groups = [
-            Group(g["row"], [Sample(**{**s, "state": SampleState(s["state"])}) for s in g["samples"]], g["version"])
-            for g in state.get("groups", [])
-        ]
+        groups = state.get("groups", [])
+        self.groups = [Group(g["row"], [_sample_from(s) for s in g["samples"]], g["version"]) for g in groups]
 
 
 def produce_batch(
     num_groups: int,
     take_rows: Callable[[int], list[dict[str, Any]]],
-    render: Callable[[dict[str, Any]], list[int]],
-    decode: Callable[[list[int]], str],
+    loop: AgentLoop,
+    context: AgentContext,
     engine: RolloutEngine,
     judger: BaseJudger,
     sampling: SamplingSettings,
     buffer: ReplayBuffer,
     version: int,
-    stop_token_ids: tuple[int, ...] = (),
     dynamic_sampling: bool = False,
     max_rounds: int = 1,
     reward_shaping: Callable[[list[Group]], None] | None = None,
@@ -207,14 +235,13 @@ def produce_batch(
     Args:
         num_groups: Groups wanted.
         take_rows: The next ``n`` prompt rows (every rank draws the same number per round).
-        render: A row's prompt token ids.
-        decode: Response text of response token ids (stop tokens removed).
+        loop: Turns each row into a trajectory (:class:`~xtl.rl.agent.SingleTurnLoop`: one completion).
+        context: The loop's chat format (prompts rendered, answers decoded, stop tokens) and the ranks' agreement.
         engine: Samples completions.
         judger: Scores them; a sample whose judging fails is ``failed``, not the batch.
         sampling: Group size and sampling settings.
         buffer: Leftover groups in, surplus groups out.
         version: Optimizer steps done so far (a group's age is counted against it).
-        stop_token_ids: The tokenizer's and template's stop tokens.
         dynamic_sampling: Drop groups whose judged rewards are all equal (``filtered``) and draw more prompts.
         max_rounds: Generation rounds at most (with dynamic sampling, fewer groups than wanted may come back).
         reward_shaping: Adjusts the groups' rewards after judging (e.g. the overlong penalty), before filtering.
@@ -236,7 +263,7 @@ def produce_batch(
             break
         stats.rounds += 1
         rows = take_rows(math.ceil(missing * oversample))
-        fresh = _generate_groups(rows, render, decode, engine, sampling, version, stop_token_ids, stats)
+        fresh = _generate_groups(rows, loop, context, engine, sampling, version, stats)
         _judge(fresh, judger)
         if reward_shaping is not None:
             reward_shaping(fresh)
@@ -262,44 +289,49 @@ def produce_batch(
 
 def _generate_groups(
     rows: list[dict[str, Any]],
-    render: Callable[[dict[str, Any]], list[int]],
-    decode: Callable[[list[int]], str],
+    loop: AgentLoop,
+    context: AgentContext,
     engine: RolloutEngine,
     sampling: SamplingSettings,
     version: int,
-    stop_token_ids: tuple[int, ...],
     stats: ProduceStats,
 ) -> list[Group]:
-    prompts = [render(row) for row in rows]
     size = sampling.group_size
     began = time.perf_counter()
-    rollouts = engine.generate([p for p in prompts for _ in range(size)], sampling, stop_token_ids)
+    trajectories = loop.rollout([row for row in rows for _ in range(size)], engine, sampling, context)
     stats.generation_seconds.append(time.perf_counter() - began)
-    stats.samples += len(rollouts)
-    stats.tokens += sum(len(r.response_ids) for r in rollouts)
-    stop = set(stop_token_ids) | set(sampling.stop_token_ids)
-    groups = []
-    for i, row in enumerate(rows):
-        samples = [_sample(r, decode, stop) for r in rollouts[i * size : (i + 1) * size]]
-        groups.append(Group(row, samples, version))
-    return groups
+    stats.samples += len(trajectories)
+    stats.tokens += sum(t.sampled_tokens for t in trajectories)
+    for trajectory in trajectories:
+        stats.agent.update(trajectory.stats)
+    return [Group(row, [_sample(t) for t in trajectories[i * size : (i + 1) * size]], version)
+            for i, row in enumerate(rows)]  # fmt: skip
 
 
-def _sample(rollout: Rollout, decode: Callable[[list[int]], str], stop: set[int]) -> Sample:
-    state = SampleState.ABORTED if rollout.finish_reason == "abort" else SampleState.COMPLETED
-    text = decode([t for t in rollout.response_ids if t not in stop])
+def _sample(trajectory: Trajectory) -> Sample:
+    last = trajectory.segments[-1]
+    state = SampleState.ABORTED if trajectory.finish_reason == "abort" else SampleState.COMPLETED
+    multi_turn = len(trajectory.turns) > 1 or len(trajectory.segments) > 1
     return Sample(
-        rollout.prompt_ids, rollout.response_ids, rollout.finish_reason, state=state, response=text,
-        logprobs=rollout.logprobs,
+        last.prompt_ids, last.response_ids, trajectory.finish_reason, reward=trajectory.reward, state=state,
+        response=trajectory.response, error=trajectory.error, logprobs=last.logprobs,
+        loss_mask=None if all(last.loss_mask) else last.loss_mask, earlier=trajectory.segments[:-1],
+        messages=trajectory.messages if multi_turn else None, stats=dict(trajectory.stats) if multi_turn else {},
     )  # fmt: skip
 
 
 def _judge(groups: list[Group], judger: BaseJudger) -> None:
-    pending = [(g, s) for g in groups for s in g.samples if s.state == SampleState.COMPLETED]
+    """Score the completed samples that have no reward yet (an environment's return stands)."""
+    pending = [(g, s) for g in groups for s in g.samples if s.state == SampleState.COMPLETED and s.reward is None]
+    if not pending:
+        return
     states = [
-        RolloutState(s.response, g.row.get("answer"), g.row.get("data_source", "default"), g.row.get("prompt"))
+        RolloutState(
+            s.response, g.row.get("answer"), g.row.get("data_source", "default"), g.row.get("prompt"),
+            extra={"messages": s.messages, "stats": s.stats} if s.messages is not None else {},
+        )
         for g, s in pending
-    ]
+    ]  # fmt: skip
     for (_, sample), state in zip(pending, judger.judge_sync(states), strict=True):
         if state.status == "failed" or state.reward is None:
             sample.state, sample.error = SampleState.FAILED, state.error
@@ -309,6 +341,11 @@ def _judge(groups: list[Group], judger: BaseJudger) -> None:
 
 def _sample_dict(sample: Sample) -> dict[str, Any]:
     return {**asdict(sample), "state": sample.state.value}
+
+
+def _sample_from(state: dict[str, Any]) -> Sample:
+    earlier = [Segment(**segment) for segment in state.get("earlier", [])]
+    return Sample(**{**state, "state": SampleState(state["state"]), "earlier": earlier})
 
 
 def _percentile(values: list[float], q: float) -> float:

@@ -3,14 +3,16 @@
 One ``training_step`` is one optimizer step. When no update is pending, the module produces a rollout batch
 (:func:`xtl.rl.buffer.produce_batch`): ``rollout.prompts_per_step`` prompts per rank from the prompt data,
 ``sampling.group_size`` completions each from the rollout engine (:mod:`xtl.rl.engines`; xtl's cached sampler on the
-policy by default), judged, shaped (DAPO's overlong penalty), filtered (dynamic sampling), and turned into
-group-relative advantages. The batch is packed (:mod:`xtl.rl.packing`) and cut into ``updates.mini_batches``
+policy by default) through the agent loop (:mod:`xtl.rl.agent`: one completion per prompt by default; multi-turn tool
+use, environments or black-box agents with ``agent``), judged, shaped (DAPO's overlong penalty), filtered (dynamic
+sampling), and turned into group-relative advantages. Tokens an agent loop appended (tool results, observations) are
+context, masked from the loss. The batch is packed (:mod:`xtl.rl.packing`) and cut into ``updates.mini_batches``
 updates, run ``updates.epochs`` times: that many optimizer steps per rollout batch, each a ``training_step``. The
 policy's log-probabilities of the batch (the *old* log-probabilities of the importance ratio) are computed once: for
-the first update by its own forward, detached (it runs before any optimizer step, on the policy that sampled the
-batch; TRL does the same when its generation and optimizer steps align), for the others when the batch is produced
-(with the reference's when ``objective.beta > 0``, for every update). Pending updates and leftover groups are part of
-the checkpoint, with the sampler's random state and the prompt order, so a resumed run takes exactly the steps the
+the first update by its own forward, detached (it runs before any optimizer step, on the policy that sampled the batch;
+TRL does the same when its generation and optimizer steps align), for the others when the batch is produced (with the
+reference's when ``objective.beta > 0``, for every update). Pending updates and leftover groups are part of the
+checkpoint, with the sampler's random state and the prompt order, so a resumed run takes exactly the steps the
 uninterrupted one would.
 """
 
@@ -29,12 +31,14 @@ from lightning.pytorch.utilities import rank_zero_info
 from xtl.data import XTLDataModule
 from xtl.errors import ConfigError
 from xtl.model import ModelOutput
+from xtl.rl.agent.chat import ChatFormat
+from xtl.rl.agent.loop import AgentContext, AgentLoop, SingleTurnLoop
 from xtl.rl.buffer import Group, ProduceStats, ReplayBuffer, Sample, SampleState, produce_batch
 from xtl.rl.engines import EngineSettings, start_engine
 from xtl.rl.judger import BaseJudger, MathJudger, RolloutState
 from xtl.rl.loss import POLICY_STATS, PolicyLossConfig, group_advantages, overlong_penalty, policy_loss, policy_metrics
 from xtl.rl.packing import RLMicroBatch, cut_micro_batches, split_round_robin
-from xtl.rl.rollout import RolloutEngine, SamplingSettings
+from xtl.rl.rollout import GreedyEngine, RolloutEngine, SamplingSettings
 from xtl.rl.settings import RolloutSettings, UpdateSettings, moved_key
 from xtl.train.base import LanguageModule
 from xtl.train.generation import GenerationConfig, chat_prompt_ids, generate, split_thinking, stop_token_ids
@@ -63,6 +67,10 @@ class GRPOModule(LanguageModule):
             ``none``; with ``sync_every``, TRL's ``sync_ref_model``. Not ``precomputed``: completions are sampled
             while training.
         eval_max_new_tokens: Greedy decoding budget of the held-out evaluation (default ``sampling.max_new_tokens``).
+        agent: How each prompt becomes a trajectory (a ``class_path`` in YAML): ``None`` is one completion per
+            prompt (:class:`~xtl.rl.agent.SingleTurnLoop`); :class:`~xtl.rl.agent.ToolLoop` (tools),
+            :class:`~xtl.rl.agent.EnvironmentLoop` (environments), :class:`~xtl.rl.agent.BlackBoxAgentLoop` (external
+            agents through an OpenAI-compatible endpoint). The held-out evaluation runs the same loop, greedily.
         routing_replay: MoE policies: record the experts every token goes to in the forward that gives the old
             log-probabilities (at rollout time) and route the updates' forwards the same way, so the importance ratio
             compares the same experts (the first update's ratio is exactly 1 whatever the kernels) and routing
@@ -87,6 +95,7 @@ class GRPOModule(LanguageModule):
         engine: EngineSettings = EngineSettings(),
         reference: ReferenceMode | ReferenceConfig = "auto",
         eval_max_new_tokens: int | None = None,
+        agent: AgentLoop | None = None,
         routing_replay: bool = False,
         **kwargs: Any,
     ) -> None:
@@ -94,7 +103,7 @@ class GRPOModule(LanguageModule):
         if moved:
             raise ConfigError(moved)
         super().__init__(model, **kwargs)
-        self.save_hyperparameters(ignore=["judger"])  # an object (a function judger holds code): set by the config
+        self.save_hyperparameters(ignore=["judger", "agent"])  # objects (holding code): set by the config
         samples = rollout.prompts_per_step * sampling.group_size
         if updates.mini_batches > samples:
             raise ConfigError(
@@ -107,6 +116,7 @@ class GRPOModule(LanguageModule):
                 f"{sampling.max_new_tokens}], got {rollout.overlong_buffer}"
             )
         self.judger = judger if judger is not None else MathJudger()
+        self.agent = agent if agent is not None else SingleTurnLoop()
         self.sampling = sampling
         self.objective = objective
         self.rollout = rollout
@@ -123,6 +133,8 @@ class GRPOModule(LanguageModule):
         self._engine_state: dict[str, Any] = {}
         self._eval: dict[int, list[float]] = {}
         self._stop: tuple[Any, tuple[int, ...]] | None = None  # (tokenizer, template) -> its stop tokens
+        self._chat: tuple[Any, ChatFormat] | None = None  # (tokenizer, template) -> the agent loop's chat format
+        self._agent_state: dict[str, Any] = {}
 
     # ---- model -----------------------------------------------------------------------------------------------
 
@@ -153,14 +165,20 @@ class GRPOModule(LanguageModule):
         self._synced_step = -1
         if self._engine_state:
             self.engine.load_state_dict(self._engine_state)
+        if self._agent_state:
+            self.agent.load_state_dict(self._agent_state)
         objective = self.objective
         rank_zero_info(
             f"xtl rl: {objective.loss_type} ({objective.importance_sampling}-level ratio, clip "
             f"[{1 - objective.epsilon_low:g}, {1 + objective.epsilon_high:g}], beta {objective.beta}, reference "
             f"{self.reference.mode}: {self.reference.describe()}); {self.rollout.prompts_per_step} prompts x "
-            f"{self.sampling.group_size} completions per rank and rollout batch, {self.updates.steps_per_batch} "
-            "optimizer step(s) each"
+            f"{self.sampling.group_size} completions per rank and rollout batch ({self.agent.describe()}), "
+            f"{self.updates.steps_per_batch} optimizer step(s) each"
         )
+
+    def on_fit_end(self) -> None:
+        """Release what the agent loop holds (an endpoint, agent processes)."""
+        self.agent.close()
 
     # ---- training --------------------------------------------------------------------------------------------
 
@@ -222,16 +240,25 @@ class GRPOModule(LanguageModule):
         stop = self._stop_token_ids()
         stop_ids = tuple(sorted({*self.sampling.stop_token_ids, *stop}))
         config = GenerationConfig(max_new_tokens=self.eval_max_new_tokens, stop_token_ids=stop_ids)  # greedy
-        prompts = [self._render(row) for row in batch]
         group = self.parallelizer.world_group() if self.parallelizer.shards_parameters else None
-        with self.parallelizer.whole_sequences(self.model):
-            outputs = generate(self.model, prompts, config, group=group).sequences
+        if isinstance(self.agent, SingleTurnLoop):
+            prompts = [self._render(row) for row in batch]
+            with self.parallelizer.whole_sequences(self.model):
+                outputs = generate(self.model, prompts, config, group=group).sequences
+            answers = [split_thinking(tokenizer.decode([t for t in out if t not in stop]))[1] for out in outputs]
+            env_rewards: list[float | None] = [None] * len(batch)
+        else:  # the agent loop, greedily: held-out accuracy with the tools or environment the policy trains with
+            sampling = replace(self.sampling, max_new_tokens=self.eval_max_new_tokens)
+            with self.parallelizer.whole_sequences(self.model):
+                trajectories = self.agent.rollout(batch, GreedyEngine(self.model, group), sampling, self._context())
+            answers = [t.response for t in trajectories]
+            env_rewards = [t.reward for t in trajectories]
         states, exact = [], []
-        for row, out in zip(batch, outputs, strict=True):
-            answer = split_thinking(tokenizer.decode([t for t in out if t not in stop]))[1]
+        for row, answer in zip(batch, answers, strict=True):
             states.append(RolloutState(answer, row.get("answer"), row.get("data_source", "default"), row["prompt"]))
             exact.append(float(answer.strip() == str(row.get("answer", "")).strip()))
-        rewards = [s.reward["score"] if s.reward else 0.0 for s in self.judger.judge_sync(states)]
+        judged = [s.reward["score"] if s.reward else 0.0 for s in self.judger.judge_sync(states)]
+        rewards = [j if e is None else e for j, e in zip(judged, env_rewards, strict=True)]
         totals = self._eval.setdefault(dataloader_idx, [0.0, 0.0, 0.0])
         totals[0] += sum(rewards)
         totals[1] += sum(exact)
@@ -260,6 +287,7 @@ class GRPOModule(LanguageModule):
             "buffer": self.buffer.state_dict(),
             "engine": engine,
             "judger": self.judger.state_dict(),
+            "agent": self.agent.state_dict(),
             "rollout_metrics": dict(self._rollout_metrics),
         }
         group = self.parallelizer.data_group()  # every rank (context-parallel ones each hold their own state)
@@ -291,6 +319,8 @@ class GRPOModule(LanguageModule):
         if self.engine is not None:
             self.engine.load_state_dict(self._engine_state)
         self.judger.load_state_dict(state.get("judger", {}))
+        self._agent_state = state.get("agent", {})
+        self.agent.load_state_dict(self._agent_state)
         self._rollout_metrics = dict(state.get("rollout_metrics", {}))
 
     # ---- private ---------------------------------------------------------------------------------------------
@@ -310,6 +340,17 @@ class GRPOModule(LanguageModule):
             self._stop = (key, stop_token_ids(*key))
         return self._stop[1]
 
+    def _context(self) -> AgentContext:
+        """The agent loop's chat format (built once per tokenizer and template) and, when the ranks decode in
+        lockstep (sharded parameters), their agreement on the turns left."""
+        datamodule = self.trainer.datamodule
+        key = (datamodule.load_tokenizer(), datamodule.template)
+        if self._chat is None or self._chat[0] != key:
+            stop = tuple(sorted({*self._stop_token_ids(), *self.sampling.stop_token_ids}))
+            self._chat = (key, ChatFormat(key[0], key[1], datamodule.template_kwargs, stop))
+        agree = self._most_over_data_ranks if self.parallelizer.shards_parameters else None
+        return AgentContext(self._chat[1], agree)
+
     def _render(self, row: dict[str, Any]) -> list[int]:
         datamodule = self.trainer.datamodule
         return chat_prompt_ids(
@@ -319,15 +360,13 @@ class GRPOModule(LanguageModule):
     def _produce(self) -> None:
         """Produce a rollout batch and cut it into the pending updates."""
         datamodule = self.trainer.datamodule
-        tokenizer = datamodule.load_tokenizer()
-        stop = self._stop_token_ids()
         rank = datamodule.data_parallel_rank()[0]
         sampling = replace(self.sampling, seed=self.sampling.seed + 1_000_003 * rank)
         if self._synced_step != self.global_step:  # the engine samples with the weights of this step
             self.engine.sync_weights(self.model)
             self._synced_step = self.global_step
         with self.parallelizer.whole_sequences(self.model):  # a context-parallel group decodes whole sequences
-            groups, stats = self._produce_groups(datamodule, tokenizer, sampling, stop)
+            groups, stats = self._produce_groups(datamodule, sampling)
         samples, advantages = self._advantages(groups)
         self._rollout_metrics = self._metrics(stats, groups, samples)
         updates = [
@@ -344,22 +383,20 @@ class GRPOModule(LanguageModule):
                     self._fill_logps(mb, policy=k > 0 or self.routing_replay)
         self._pending = [list(update) for _ in range(self.updates.epochs) for update in updates]
 
-    def _produce_groups(
-        self, datamodule: Any, tokenizer: Any, sampling: SamplingSettings, stop: tuple[int, ...]
-    ) -> tuple[list[Group], ProduceStats]:
-        """Draw prompts, sample their groups with the engine, judge and shape them (one rollout batch's groups)."""
+    def _produce_groups(self, datamodule: Any, sampling: SamplingSettings) -> tuple[list[Group], ProduceStats]:
+        """Draw prompts, sample their groups through the agent loop, judge and shape them (one rollout batch's
+        groups)."""
         rollout = self.rollout
         return produce_batch(
             rollout.prompts_per_step,
             datamodule.take,
-            self._render,
-            lambda ids: split_thinking(tokenizer.decode(ids))[1],
+            self.agent,
+            self._context(),
             self.engine,
             self.judger,
             sampling,
             self.buffer,
             self.global_step,
-            stop,
             rollout.dynamic_sampling,
             rollout.max_rounds,
             self._shape_rewards if rollout.overlong_buffer else None,

@@ -1,8 +1,10 @@
 """Rollout packing: prompt + completion sequences as packed micro-batches with what the policy loss needs of them.
 
 :func:`pack_sequences` lays sequences end to end in one packed ``(1, T)`` batch labelled on the completions and
-indexes their completion tokens as padded ``(B, T)`` rows; :func:`cut_micro_batches` deals the samples of one
-update into its micro-batches, each with its share of the loss normalizer (:func:`xtl.rl.loss.loss_normalizer`).
+indexes their completion tokens as padded ``(B, T)`` rows, masked where an agent loop appended tokens (tool results,
+observations: in the context, not in the loss); :func:`cut_micro_batches` deals the samples of one update into its
+micro-batches (each segment of a multi-segment trajectory is a sequence with the trajectory's advantage), each with
+its share of the loss normalizer (:func:`xtl.rl.loss.loss_normalizer`).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ class RLMicroBatch:
         batch: The packed sequences (labels on completion tokens only).
         positions: ``(N,)`` packed positions whose next token is a completion token.
         rows: ``(B, T)`` index into ``positions`` of each sequence's completion tokens (0 where ``mask`` is 0).
-        mask: ``(B, T)`` 1 on completion tokens.
+        mask: ``(B, T)`` 1 on completion tokens the engine sampled (0 on padding and appended tokens).
         advantages: ``(B,)`` per sequence.
         old_logps: ``(B, T)`` the sampling policy's log-probabilities (set when the batch is produced, or by the
             forward of its first update).
@@ -40,6 +42,7 @@ class RLMicroBatch:
         routed_experts: Per MoE layer, the ``(N, k)`` experts its tokens went to when the old log-probabilities were
             computed (routing replay).
         sequences: ``(prompt ids, completion ids)`` of each sequence (what a checkpoint keeps).
+        loss_masks: Each sequence's completion mask when an agent loop appended tokens (``None``: all sampled).
         share: The part of ``batch`` this rank forwards under context parallelism (its share, cut on the host), set
             when the micro-batch is put on the device; ``None``: the whole batch.
     """
@@ -56,6 +59,7 @@ class RLMicroBatch:
     routed_experts: list[torch.Tensor] | None = None
     sequences: list[tuple[list[int], list[int]]] | None = None
     share: MicroBatch | None = None
+    loss_masks: list[list[int]] | None = None
 
     @property
     def forwarded(self) -> MicroBatch:
@@ -89,12 +93,13 @@ class RLMicroBatch:
             "sampling_logps": None if self.sampling_logps is None else self.sampling_logps.cpu(),
             "routed_experts": None if self.routed_experts is None else [ids.cpu() for ids in self.routed_experts],
             "num_items": self.num_items,
+            "loss_masks": self.loss_masks,
         }
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> RLMicroBatch:
         """Rebuild a micro-batch from :meth:`state`."""
-        mb = pack_sequences(state["sequences"], state["advantages"].tolist())
+        mb = pack_sequences(state["sequences"], state["advantages"].tolist(), state.get("loss_masks"))
         mb.old_logps, mb.ref_logps, mb.num_items = state["old_logps"], state["ref_logps"], float(state["num_items"])
         mb.sampling_logps, mb.routed_experts = state.get("sampling_logps"), state.get("routed_experts")
         return mb
@@ -104,9 +109,16 @@ class RLMicroBatch:
         return {k: getattr(self, k) for k in names}
 
 
-def pack_sequences(sequences: list[tuple[list[int], list[int]]], advantages: list[float]) -> RLMicroBatch:
+def pack_sequences(
+    sequences: list[tuple[list[int], list[int]]],
+    advantages: list[float],
+    loss_masks: list[list[int]] | None = None,
+) -> RLMicroBatch:
     """One packed micro-batch of ``(prompt ids, completion ids)`` sequences, labelled on the completions (no
-    sequences: a 2-token filler without labels, which every rank can forward when parameters are sharded)."""
+    sequences: a 2-token filler without labels, which every rank can forward when parameters are sharded).
+
+    ``loss_masks`` (one per sequence, over its completion) zero the loss of completion tokens an agent loop appended;
+    they stay labelled (scored like the others) so that every sequence's completion rows line up with its tokens."""
     if not sequences:
         mb = collate_pack(Pack(-1, np.zeros(2, dtype=np.int64), np.full(2, IGNORE_INDEX, dtype=np.int64), [2]))
         empty = torch.zeros(0, 1, dtype=torch.long)
@@ -125,10 +137,12 @@ def pack_sequences(sequences: list[tuple[list[int], list[int]]], advantages: lis
     offset = 0
     for i, (_, response) in enumerate(sequences):
         rows[i, : len(response)] = torch.arange(offset, offset + len(response))
-        mask[i, : len(response)] = 1.0
+        mask[i, : len(response)] = 1.0 if loss_masks is None else torch.tensor(loss_masks[i], dtype=torch.float32)
         offset += len(response)
     advantages_t = torch.tensor(advantages, dtype=torch.float32)
-    return RLMicroBatch(mb, positions, rows, mask, advantages_t, sequences=[(list(p), list(r)) for p, r in sequences])
+    kept = [(list(p), list(r)) for p, r in sequences]
+    masks = None if loss_masks is None else [list(m) for m in loss_masks]
+    return RLMicroBatch(mb, positions, rows, mask, advantages_t, sequences=kept, loss_masks=masks)
 
 
 def cut_micro_batches(
@@ -136,7 +150,7 @@ def cut_micro_batches(
 ) -> list[RLMicroBatch]:
     """``parts`` packed micro-batches of one update's ``(sample, advantage)`` pairs, dealt round-robin (an empty one
     is a filler), each with its share of ``loss_type``'s normalizer and the engine's log-probabilities when every
-    sample has them.
+    sample has them. A sample of several segments is several sequences, dealt together.
 
     Args:
         samples: The update's samples with their advantages.
@@ -146,12 +160,17 @@ def cut_micro_batches(
     """
     out = []
     for part in split_round_robin(list(samples), parts):
-        mb = pack_sequences([(s.prompt_ids, s.response_ids) for s, _ in part], [a for _, a in part])
-        if part and all(s.logprobs is not None for s, _ in part):
+        segments = [(segment, advantage) for sample, advantage in part for segment in sample.segments]
+        masked = any(not all(segment.loss_mask) for segment, _ in segments)
+        mb = pack_sequences(
+            [(s.prompt_ids, s.response_ids) for s, _ in segments], [a for _, a in segments],
+            [s.loss_mask for s, _ in segments] if masked else None,
+        )  # fmt: skip
+        if segments and all(s.logprobs is not None for s, _ in segments):
             mb.sampling_logps = torch.zeros_like(mb.mask)
-            for i, (sample, _) in enumerate(part):
-                mb.sampling_logps[i, : len(sample.logprobs)] = torch.tensor(sample.logprobs)
-        mb.num_items = float(loss_normalizer(loss_type, len(part), int(mb.mask.sum()), max_new_tokens))
+            for i, (segment, _) in enumerate(segments):
+                mb.sampling_logps[i, : len(segment.logprobs)] = torch.tensor(segment.logprobs)
+        mb.num_items = float(loss_normalizer(loss_type, len(segments), int(mb.mask.sum()), max_new_tokens))
         out.append(mb)
     return out
 

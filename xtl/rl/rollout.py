@@ -102,6 +102,12 @@ class RolloutEngine(ABC):
     def sync_weights(self, model: torch.nn.Module) -> None:  # noqa: B027 (optional hook: nothing to do by default)
         """Make the engine sample from ``model``'s current weights (after each optimizer step)."""
 
+    def idle_step(  # noqa: B027 (optional hook: only engines whose ranks decode in lockstep act)
+        self, sampling: SamplingSettings, stop_token_ids: Sequence[int] = ()
+    ) -> None:
+        """Take part in one generation call of the other ranks without prompts of its own (a multi-turn loop whose
+        trajectories on this rank have all finished: sharded parameters need every rank in each forward)."""
+
     def state_dict(self) -> dict[str, Any]:
         """What resumes the engine exactly (its random state)."""
         return {}
@@ -146,6 +152,15 @@ class LocalRolloutEngine(RolloutEngine):
                 rollouts.append(Rollout(prompt, response, "stop" if stopped else "length", seconds=seconds))
         return rollouts
 
+    def idle_step(self, sampling: SamplingSettings, stop_token_ids: Sequence[int] = ()) -> None:
+        """Decode a filler that ends at once, in lockstep with the group's ranks until they finish."""
+        if self.group is None:
+            return
+        config = sampling.generation_config(stop_token_ids)
+        filler = [[config.stop_token_ids[0] if config.stop_token_ids else 0]]
+        generate(self.model, filler, config, self._generator_for(sampling.seed), group=self.group,
+                 stop_when=lambda rows: [True] * len(rows))  # fmt: skip
+
     def state_dict(self) -> dict[str, Any]:
         """The sampling generator's state."""
         return {} if self._generator is None else {"seed": self._seed, "rng": self._generator.get_state()}
@@ -161,6 +176,25 @@ class LocalRolloutEngine(RolloutEngine):
             self._generator = torch.Generator(device=device).manual_seed(seed)
             self._seed = seed
         return self._generator
+
+
+class GreedyEngine(LocalRolloutEngine):
+    """xtl's cached sampler decoding greedily (the held-out evaluation of an agent loop): the sampling settings' budget
+    and stop tokens, not their temperature."""
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], sampling: SamplingSettings, stop_token_ids: Sequence[int] = ()
+    ) -> list[Rollout]:
+        """The greedy completion of each prompt."""
+        greedy = GenerationConfig(
+            max_new_tokens=sampling.max_new_tokens,
+            stop_token_ids=tuple(sorted({*sampling.stop_token_ids, *stop_token_ids})),
+        )
+        out = generate(self.model, [list(p) for p in prompts], greedy, group=self.group).sequences if prompts else []
+        stop = set(greedy.stop_token_ids)
+        return [
+            Rollout(list(p), r, "stop" if r and r[-1] in stop else "length") for p, r in zip(prompts, out, strict=True)
+        ]
 
 
 @dataclass

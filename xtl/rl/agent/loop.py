@@ -1,0 +1,115 @@
+"""The agent-loop seam: how one prompt becomes one :class:`~xtl.rl.agent.trajectory.Trajectory`.
+
+An :class:`AgentLoop` takes a batch of prompt rows (a prompt repeated ``group_size`` times for its group) and returns
+one trajectory per row, using the rollout engine for every sampled turn. Loops run their trajectories' turns
+together: each turn is one engine call over every trajectory still going, so the local engine decodes them as one
+batch. Built-ins:
+
+- :class:`SingleTurnLoop`: one completion per prompt (the default; what GRPO sampled before loops existed);
+- :class:`~xtl.rl.agent.tool_loop.ToolLoop`: the model calls tools and reads their results, turn after turn;
+- :class:`~xtl.rl.agent.environment.EnvironmentLoop`: the model acts in ``reset``/``step`` environments;
+- :class:`~xtl.rl.agent.server.BlackBoxAgentLoop`: an external agent program runs its own loop against an
+  OpenAI-compatible endpoint served from the engine.
+
+Under sharded parameters every rank must run the same engine calls: :func:`lockstep_generate` makes a rank whose
+trajectories have all finished still join a turn that another rank needs (:meth:`RolloutEngine.idle_step`).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from xtl.rl.agent.chat import ChatFormat
+from xtl.rl.agent.trajectory import Trajectory, TrajectoryBuilder
+from xtl.rl.rollout import Rollout, RolloutEngine, SamplingSettings
+
+
+@dataclass
+class AgentContext:
+    """What a loop needs besides the engine.
+
+    Attributes:
+        chat: The run's chat format (render, parse, continue).
+        agree: The most of a count over the data-parallel ranks (``None``: one rank); loops call it once per turn
+            with their number of unfinished trajectories, through :func:`lockstep_generate`.
+    """
+
+    chat: ChatFormat
+    agree: Callable[[int], int] | None = None
+
+
+class AgentLoop(ABC):
+    """Turns prompt rows into trajectories (module docstring)."""
+
+    @abstractmethod
+    def rollout(
+        self, rows: list[dict[str, Any]], engine: RolloutEngine, sampling: SamplingSettings, context: AgentContext
+    ) -> list[Trajectory]:
+        """One trajectory per row, in order.
+
+        Args:
+            rows: Prompt rows (``prompt`` messages, ``answer``, ``data_source``, ...), a row repeated for each member
+                of its group.
+            engine: Samples each turn.
+            sampling: How turns are sampled (``max_new_tokens`` is per turn).
+            context: The chat format and the ranks' agreement.
+        """
+
+    def describe(self) -> str:
+        """One line for the start-of-run summary."""
+        return type(self).__name__
+
+    def state_dict(self) -> dict[str, Any]:
+        """What resumes the loop exactly (e.g. the environments' seeds)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:  # noqa: B027 (optional hook: nothing to restore)
+        """Restore :meth:`state_dict`."""
+
+    def close(self) -> None:  # noqa: B027 (optional hook: nothing to release by default)
+        """Release what the loop holds (servers, processes) at the end of the run."""
+
+
+class SingleTurnLoop(AgentLoop):
+    """One sampled completion per prompt: the prompt rendered with the template, one engine call for the batch."""
+
+    def rollout(
+        self, rows: list[dict[str, Any]], engine: RolloutEngine, sampling: SamplingSettings, context: AgentContext
+    ) -> list[Trajectory]:
+        """Sample every row's completion in one engine call."""
+        chat = context.chat
+        prompts = [chat.prompt_ids(row["prompt"]) for row in rows]
+        rollouts = engine.generate(prompts, sampling, chat.stop_token_ids)
+        out = []
+        for row, rollout in zip(rows, rollouts, strict=True):
+            builder = TrajectoryBuilder(rollout.prompt_ids)
+            builder.sampled(rollout.response_ids, rollout.logprobs)
+            trajectory = builder.finish(rollout.finish_reason, chat.answer(rollout.response_ids))
+            trajectory.messages = [*row["prompt"], {"role": "assistant", "content": trajectory.response}]
+            trajectory.seconds = rollout.seconds
+            out.append(trajectory)
+        return out
+
+
+def lockstep_generate(
+    engine: RolloutEngine,
+    prompts: list[list[int]],
+    sampling: SamplingSettings,
+    context: AgentContext,
+) -> list[Rollout] | None:
+    """One engine call over ``prompts``, joined by every rank that still has turns to sample.
+
+    Returns:
+        The rollouts (one per prompt), or ``None`` when no rank has a prompt left (the loop is over). A rank with no
+        prompt of its own but others still going decodes a one-token filler and gets ``[]``.
+    """
+    wanted = context.agree(len(prompts)) if context.agree is not None else len(prompts)
+    if wanted == 0:
+        return None
+    if prompts:
+        return engine.generate(prompts, sampling, context.chat.stop_token_ids)
+    engine.idle_step(sampling, context.chat.stop_token_ids)
+    return []
