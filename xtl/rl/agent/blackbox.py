@@ -48,7 +48,8 @@ class BlackBoxAgentLoop(AgentLoop):
         ray: Run ``function`` as a Ray task (``pip install ray``) instead of on a thread.
         max_concurrency: Agents running at once at most.
         timeout_s: Seconds an agent may run (a subprocess is killed then).
-        batch_wait_s: How long a queued request waits for others to share its engine call.
+        batch_wait_s: How long a queued request waits for the other live agents' requests to share its engine call
+            (the call starts at once when every live agent has one queued).
         env: Extra environment variables of ``command`` agents.
         port: The endpoint's local port (0: a free one).
 
@@ -114,7 +115,8 @@ class BlackBoxAgentLoop(AgentLoop):
                     out[i] = agent.trajectory()
                     server.close(agent.session.key)
                     del running[i]
-            batch = server.take(len(running), max(self.batch_wait_s, 0.005)) if running else []
+            live = lambda: sum(agent.alive() for agent in running.values())  # noqa: E731
+            batch = server.take(live, max(self.batch_wait_s, 0.005)) if running else []
             prompts = [r.prompt_ids for r in batch]
             wanted = context.agree(len(prompts)) if context.agree is not None else len(prompts)
             if wanted:
@@ -171,6 +173,10 @@ class _Agent:
     def trajectory(self) -> Trajectory:
         return self.session.trajectory(self.answer, self.error)
 
+    def alive(self) -> bool:
+        """Whether it may still send a request."""
+        raise NotImplementedError
+
     def _poll(self) -> bool:
         raise NotImplementedError
 
@@ -196,6 +202,9 @@ class _ProcessAgent(_Agent):
             self.process.stdin.close()
         except OSError:  # it exited before reading: its exit code says why
             pass
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
 
     def _poll(self) -> bool:
         code = self.process.poll()
@@ -236,6 +245,9 @@ class _ThreadAgent(_Agent):
         self.thread = threading.Thread(target=run, name=f"xtl-agent-{session.key}", daemon=True)
         self.thread.start()
 
+    def alive(self) -> bool:
+        return not self.result
+
     def _poll(self) -> bool:
         if not self.result:
             return False
@@ -258,6 +270,9 @@ class _RayAgent(_Agent):
             ray.init(ignore_reinit_error=True, log_to_driver=False)
         self.ray = ray
         self.ref = ray.remote(function).remote(task, base_url, session.key)
+
+    def alive(self) -> bool:
+        return not self.ray.wait([self.ref], timeout=0)[0]
 
     def _poll(self) -> bool:
         ready, _ = self.ray.wait([self.ref], timeout=0)

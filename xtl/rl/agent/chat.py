@@ -1,13 +1,14 @@
 """The chat format of an agent loop: prompts rendered by the run's template, tool calls parsed from the template's
 syntax, and the tokens that continue a context after a sampled turn.
 
-The continuation is what makes trajectories token-exact. After the engine samples an assistant turn (ending with
-the template's stop token), the next turn's context is the recorded ids followed by the template's rendering of
-whatever comes after that turn: the newline after the stop token, the tool results (``<|im_start|>user
-<tool_response>...`` in Qwen's templates, ``ipython`` turns in Llama 3's), the next generation prompt. That text is
-cut from a rendering of the whole conversation at the end of the last assistant turn and tokenized alone; the sampled
-ids themselves are never re-encoded. The multi-turn loop and the black-box endpoint both continue contexts this way,
-so one conversation gives one token sequence through either.
+The continuation is what makes trajectories token-exact. After the engine samples an assistant turn (ending with the
+template's stop token), the next turn's context is the recorded ids followed by the template's rendering of whatever
+comes after that turn: the newline after the stop token, the tool results (``<|im_start|>user <tool_response>...`` in
+Qwen's templates, ``ipython`` turns in Llama 3's), the next generation prompt. That text is cut from a rendering of the
+whole conversation at the end of the last assistant turn (its loss span in xtl's templates; after as many end-of-turn
+markers as the conversation holds up to that turn in a tokenizer's own template) and tokenized alone; the sampled ids
+themselves are never re-encoded. The multi-turn loop and the black-box endpoint both continue contexts this way, so one
+conversation gives one token sequence through either.
 
 Tool calls are parsed in the template's syntax: ``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` blocks
 (Qwen3, Qwen2.5, ChatML; the Hermes format), or one ``{"name": ..., "parameters": ...}`` object (Llama 3). A call
@@ -94,12 +95,19 @@ class ChatFormat:
         text, spans = self._render(messages, tools, True)
         if spans is not None:  # built-in templates: the last assistant turn's loss span ends at its stop token
             return self.encode(text[spans[-1][1] :])
-        before, _ = self._render(messages[: last + 1], tools, False)  # the tokenizer's own template: by prefix
-        if not text.startswith(before):
+        # the tokenizer's own template may rewrite earlier turns (drop reasoning): cut the whole rendering after as
+        # many end-of-turn markers as the conversation up to the last assistant turn holds
+        before, _ = self._render(messages[: last + 1], tools, False)
+        stops = [t for t in self.tokenizer.convert_ids_to_tokens(list(self.stop_token_ids)) if t and t in before]
+        if not stops:
             return None
-        stop = self.tokenizer.convert_ids_to_tokens(list(self.stop_token_ids))
-        cut = max((before.rfind(s) + len(s) for s in stop if s and s in before), default=-1)
-        return None if cut < 0 else self.encode(text[cut:])
+        stop = max(stops, key=before.rfind)
+        cut = -1
+        for _ in range(before.count(stop)):
+            cut = text.find(stop, cut + 1)
+            if cut < 0:
+                return None
+        return self.encode(text[cut + len(stop) :])
 
     def parse(self, ids: list[int]) -> ParsedTurn:
         """Read a sampled turn: its answer text and tool calls."""

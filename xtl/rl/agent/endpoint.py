@@ -16,6 +16,7 @@ import json
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -26,6 +27,7 @@ from xtl.rl.agent.session import Session
 from xtl.rl.rollout import Rollout
 
 MODEL_NAME = "xtl-policy"
+_POLL_S = 0.01  # how often a waiting batch re-reads how many requests it expects
 
 
 @dataclass
@@ -84,19 +86,16 @@ class SessionServer:
         with self._lock:
             self.sessions.pop(key, None)
 
-    def take(self, expected: int, wait_s: float) -> list[PendingRequest]:
-        """The requests to sample now: wait until ``expected`` are queued or ``wait_s`` passed since the first came
-        (at most ``wait_s`` when none came)."""
+    def take(self, expected: Callable[[], int], wait_s: float) -> list[PendingRequest]:
+        """The requests to sample now: wait until ``expected()`` (re-read as agents come and go: the live agents)
+        are queued, or ``wait_s`` passed."""
         batch: list[PendingRequest] = []
         deadline = time.monotonic() + wait_s
-        while len(batch) < max(expected, 1):
-            timeout = deadline - time.monotonic()
-            if timeout <= 0:
-                break
+        while len(batch) < expected() and time.monotonic() < deadline:
             try:
-                batch.append(self.queue.get(timeout=timeout))
+                batch.append(self.queue.get(timeout=min(_POLL_S, max(deadline - time.monotonic(), 0.0))))
             except queue.Empty:
-                break
+                continue
         while True:  # whatever else is already queued joins the batch
             try:
                 batch.append(self.queue.get_nowait())

@@ -93,8 +93,10 @@ class ToolLoop(AgentLoop):
                 parsed = chat.parse(rollout.response_ids)
                 conv.last = parsed
                 conv.messages.append(parsed.message())
-                if rollout.finish_reason != "stop" or conv.builder.response_tokens >= self.max_tokens:
-                    done[i] = conv.finish("length" if rollout.finish_reason == "length" else "abort")
+                if rollout.finish_reason == "abort":
+                    done[i] = conv.finish("abort", "the engine aborted the turn")
+                elif rollout.finish_reason == "length" or conv.builder.response_tokens >= self.max_tokens:
+                    done[i] = conv.finish("length")
                 elif parsed.error is None and not parsed.calls:
                     done[i] = conv.finish("stop")
                 elif conv.turns >= self.max_turns:
