@@ -154,6 +154,11 @@ def _check_feature_acts(cell: Cell, result: dict, plain: dict) -> None:
     elif name == "kto":  # step 0: every reward and the reference point 0, each row's loss 1 - sigmoid(0)
         assert math.isclose(float(result["losses"]["0"]), 0.5, rel_tol=1e-6), result["losses"]
         assert {"train/kl", "train/rewards/chosen", "train/rewards/rejected"} <= set(result["logged"])
+    elif name == "grpo_tools":  # as grpo, through the tool loop: its turns are logged
+        assert abs(float(result["losses"]["0"])) < 1e-6, result["losses"]
+        assert {"train/ratio", "rollout/turns", "rollout/tool_calls", "rollout/malformed_calls"} <= set(
+            result["logged"]
+        )
     elif name == "grpo":  # step 0: every ratio 1, so the loss is minus the mean advantage, 0 in every group
         assert abs(float(result["losses"]["0"])) < 1e-6, result["losses"]
         assert {"train/ratio", "train/reward", "train/clip_ratio/region_mean", "rollout/samples"} <= set(

@@ -251,6 +251,20 @@ FEATURES = (
         "step), a format judger (an even number of characters), the tiny prompts",
     ),
     Feature(
+        "grpo_tools",
+        (),
+        "model:\n  class_path: xtl.rl.GRPOModule\n  init_args:\n"
+        "    judger: {class_path: xtl.rl.FormatJudger, init_args: {pattern: '(..)*'}}\n"
+        "    sampling: {group_size: 4, max_new_tokens: 6}\n"
+        "    rollout: {prompts_per_step: 2}\n"
+        "    agent: {class_path: xtl.rl.agent.ToolLoop, init_args: {tools: [xtl.agent_tools.calculator], "
+        "max_turns: 2}}\n"
+        "data:\n  sources: [{path: tiny:sft_train.jsonl, kind: prompt}]\n",
+        "objective",
+        "GRPO through the multi-turn tool loop (`callbacks/agent_tools.yaml`: the calculator, 2 turns): the tools "
+        "rendered by the template, each turn one lockstep engine call of every unfinished trajectory",
+    ),
+    Feature(
         "fused",
         (),
         "model:\n  init_args:\n    model_overrides: {fused_projections: true}\n",
@@ -329,6 +343,8 @@ REFUSED: dict[tuple[str, str, str], str] = {
     ("vlm_moe", "parity_check", "*"): "HFParityCheck compares decoder-only text models",
     ("vlm", "grpo", "*"): "GRPOModule trains text models",
     ("vlm_moe", "grpo", "*"): "GRPOModule trains text models",
+    ("vlm", "grpo_tools", "*"): "GRPOModule trains text models",
+    ("vlm_moe", "grpo_tools", "*"): "GRPOModule trains text models",
     **{
         ("*", "compile_model", strategy): "Compile scope: model compiles the whole forward on one device"
         for strategy in ("fsdp", "ep", "cp")
