@@ -23,6 +23,8 @@ from xtl.train.generation import GenerationConfig, chat_prompt_ids, generate, sp
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = sorted((ROOT / "configs").glob("*.yaml"))
 FRAGMENTS = sorted((ROOT / "callbacks").glob("*.yaml"))
+# fragments of another objective than SFT -> the recipe they follow
+FRAGMENT_RECIPES = {"agent_tools.yaml": "tiny_grpo.yaml"}
 SMALL_MODEL = [
     "--model.init_args.model.hidden_size",
     "32",
@@ -66,7 +68,8 @@ class TestConfigsParse:
 
     @pytest.mark.parametrize("fragment", FRAGMENTS, ids=lambda p: p.name)
     def test_fragment_composes_with_the_default_recipe(self, fragment, capsys):
-        args = ["fit", "--config", str(ROOT / "configs/tiny_sft.yaml"), "--config", str(fragment), "--print_config"]
+        recipe = FRAGMENT_RECIPES.get(fragment.name, "tiny_sft.yaml")
+        args = ["fit", "--config", str(ROOT / "configs" / recipe), "--config", str(fragment), "--print_config"]
         assert _run_main(args) == 0
         out = capsys.readouterr().out
         assert "TrainingCheckpoint" in out, "a fragment must append callbacks, not replace them"
