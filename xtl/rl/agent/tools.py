@@ -57,6 +57,9 @@ class Tool:
         subprocess: Run each call in a fresh Python process (limited, killed at the time-out); the function must
             then be importable by path.
         memory_mb: Address-space limit of a subprocess call.
+        ray: Run each call as a Ray task (``pip install ray``; the running cluster, or a local one), cancelled at
+            the time-out: tools that need other machines or resources (``ray_options``: ``num_cpus``, ...).
+        ray_options: Ray task options.
 
     Raises:
         ConfigError: The function cannot be imported, its schema cannot be derived, a limit is not positive.
@@ -67,6 +70,8 @@ class Tool:
     timeout_s: float = 10.0
     subprocess: bool = False
     memory_mb: int = 1024
+    ray: bool = False
+    ray_options: dict[str, Any] = field(default_factory=dict)
     path: str = field(default="", init=False)
 
     def __post_init__(self) -> None:
@@ -75,6 +80,8 @@ class Tool:
             self.function = import_callable(self.function)
         else:
             self.path = f"{self.function.__module__}:{self.function.__qualname__}"
+        if self.subprocess and self.ray:
+            raise ConfigError(f"{KEY}: tool {self.path}: subprocess and ray are two ways to run it; choose one")
         if self.timeout_s <= 0 or self.memory_mb <= 0:
             raise ConfigError(f"{KEY}: tool {self.path}: timeout_s and memory_mb must be > 0")
         if self.schema is None:
@@ -99,6 +106,8 @@ class Tool:
         """Run the tool on ``arguments`` under its time-out; errors come back as the result's text."""
         if self.subprocess:
             return self._call_in_subprocess(arguments)
+        if self.ray:
+            return self._call_on_ray(arguments)
         done: list[ToolResult] = []
 
         def run() -> None:
@@ -113,6 +122,23 @@ class Tool:
         if not done:  # a daemon thread that never returns is left behind; it blocks nothing else
             return ToolResult(f"Error: {self.name} timed out after {self.timeout_s:g} s", "timeout")
         return done[0]
+
+    def _call_on_ray(self, arguments: dict[str, Any]) -> ToolResult:
+        try:
+            import ray
+        except ImportError as err:
+            raise ImportError("tools with ray: true need Ray: pip install ray") from err
+        if not ray.is_initialized():
+            ray.init(ignore_reinit_error=True, log_to_driver=False)
+        ref = ray.remote(self.function).options(**self.ray_options).remote(**arguments)
+        try:
+            return ToolResult(_as_text(ray.get(ref, timeout=self.timeout_s)))
+        except ray.exceptions.GetTimeoutError:
+            ray.cancel(ref, force=True)
+            return ToolResult(f"Error: {self.name} timed out after {self.timeout_s:g} s", "timeout")
+        except ray.exceptions.RayTaskError as err:  # the tool raised on its worker
+            cause = err.cause if err.cause is not None else err
+            return ToolResult(f"Error: {type(cause).__name__}: {cause}", "error")
 
     def _call_in_subprocess(self, arguments: dict[str, Any]) -> ToolResult:
         payload = json.dumps({"path": self.path, "arguments": arguments})
