@@ -65,7 +65,7 @@ class Sample:
         loss_mask: 1 on the completion tokens the engine sampled, 0 on the ones an agent loop appended (tool
             results, observations); ``None``: every token was sampled.
         earlier: A multi-segment trajectory's earlier segments (each trains as its own sequence).
-        messages: An agent loop's conversation (judgers read it as ``extra["messages"]``).
+        messages: An agent loop's conversation (judgers read it as ``RolloutState.messages``).
         stats: An agent loop's counters (turns, tool calls and their errors).
     """
 
@@ -328,7 +328,7 @@ def _judge(groups: list[Group], judger: BaseJudger) -> None:
     states = [
         RolloutState(
             s.response, g.row.get("answer"), g.row.get("data_source", "default"), g.row.get("prompt"),
-            extra={"messages": s.messages, "stats": s.stats} if s.messages is not None else {},
+            messages=s.messages,
         )
         for g, s in pending
     ]  # fmt: skip

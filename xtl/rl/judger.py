@@ -54,6 +54,8 @@ class RolloutState:
         reward: Written by the judger: at least ``{"score": float}``.
         status: ``"completed"`` (generated, or judged), or ``"failed"`` (the judging raised or timed out).
         error: Why the judging failed.
+        messages: The conversation of a multi-turn rollout (an agent loop's prompt, turns, tool results), for
+            judgers that read the whole trajectory (``None`` for single turns).
     """
 
     response: str
@@ -64,6 +66,7 @@ class RolloutState:
     reward: dict[str, float] | None = None
     status: str = "completed"
     error: str | None = None
+    messages: list[dict[str, Any]] | None = None
 
 
 class BaseJudger(ABC):

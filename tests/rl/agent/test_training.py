@@ -82,6 +82,7 @@ class TestToolLoopTraining:
     def test_trains_logs_its_turns_and_resumes_mid_batch_exactly(self, tmp_path) -> None:
         whole, _ = _fit(_agent_module(), 4, tmp_path / "a")
         assert whole[1]["rollout/tool_calls"] == 1.0 and whole[1]["rollout/turns"] == 2.0
+        assert whole[1]["rollout/failed"] == 0 and whole[1]["rollout/completed"] > 0, "every trajectory judged"
         assert all(torch.isfinite(torch.tensor(m["train/loss"])) for m in whole.values())
         first, trainer = _fit(_agent_module(), 4, tmp_path / "b", [StopAt(3)], every=3)
         assert trainer.lightning_module._pending, "stopped between the updates of a batch"
@@ -114,3 +115,45 @@ class TestValidation:
         assert Recording.engines == [GreedyEngine]
         assert metrics["val/reward"] == 1.0  # varied_reward("5") = ord("5") % 3 / 2 = 1
         assert 0 < metrics["val/exact_match"] < 1  # some held-out answers are 5
+
+
+class TestComposes:
+    def test_dynamic_sampling_with_leftover_trajectories_resumes_exactly(self, tmp_path) -> None:
+        settings = dict(rollout=dict(dynamic_sampling=True, oversample=3.0, max_rounds=2, max_staleness=4))
+        whole, _ = _fit(_agent_module(**settings), 4, tmp_path / "a")
+        _, trainer = _fit(_agent_module(**settings), 4, tmp_path / "b", [StopAt(3)], every=3)
+        groups = trainer.lightning_module.buffer.groups
+        assert groups and all(s.loss_mask is not None for g in groups for s in g.samples), "masked leftovers"
+        resumed, _ = _fit(_agent_module(**settings), 4, tmp_path / "b", ckpt_path=str(tmp_path / "b/ckpt/last.ckpt"))
+        assert resumed[4]["train/loss"] == whole[4]["train/loss"]
+
+    def test_routing_replay_routes_the_updates_of_multi_turn_rollouts(self, tmp_path) -> None:
+        from tests.rl.test_module import TestRoutingReplay, varied_reward
+        from xtl.rl import FunctionJudger, GRPOModule, RolloutSettings, SamplingSettings, UpdateSettings
+        from xtl.train import AdamWConfig, ScheduleConfig
+
+        module = GRPOModule(
+            TestRoutingReplay.MOE, judger=FunctionJudger(varied_reward),
+            sampling=SamplingSettings(group_size=4, max_new_tokens=6), rollout=RolloutSettings(prompts_per_step=3),
+            updates=UpdateSettings(mini_batches=2), routing_replay=True, optimizer=AdamWConfig(lr=5e-2),
+            schedule=ScheduleConfig(warmup_steps=0, kind="constant"),
+            agent=ToolLoop(["xtl.agent_tools.calculator"], max_turns=2),
+        )  # fmt: skip
+        module._start_engine = lambda: CallsFirst(module.model, module.trainer.datamodule.load_tokenizer())
+        steps, _ = _fit(module, 2, tmp_path)
+        assert steps[1]["rollout/failed"] == 0 and steps[1]["rollout/tool_calls"] == 1.0
+        assert steps[1]["train/ratio"] == 1.0  # the first update is routed as the rollout's forward was
+
+    def test_the_vllm_engine_gets_prompt_ids_and_gives_its_logprobs(self) -> None:
+        from tests.rl.agent.scripted import tiny_chat
+        from tests.rl.test_rollout import FakeLLM, _vllm
+        from xtl.rl import SamplingSettings
+        from xtl.rl.agent import AgentContext
+
+        chat, llm = tiny_chat(), FakeLLM()
+        rows = [{"prompt": [{"role": "user", "content": "What is 2+3?"}], "answer": "5"}]
+        loop = ToolLoop(["xtl.agent_tools.calculator"])
+        (trajectory,) = loop.rollout(rows, _vllm(llm), SamplingSettings(max_new_tokens=3), AgentContext(chat))
+        segment = trajectory.segments[0]
+        assert segment.prompt_ids == chat.prompt_ids(rows[0]["prompt"], loop.schemas)
+        assert segment.logprobs == [-0.1 * t for t in segment.response_ids]  # the engine's, token by token
