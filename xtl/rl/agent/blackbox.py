@@ -25,6 +25,7 @@ import subprocess
 import tempfile
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -151,8 +152,8 @@ class BlackBoxAgentLoop(AgentLoop):
 # ---- private ---------------------------------------------------------------------------------------------------
 
 
-class _Agent:
-    """One running agent and its session."""
+class _Agent(ABC):
+    """One running agent and its session (a process, a thread or a Ray task below)."""
 
     def __init__(self, session: Any) -> None:
         self.session = session
@@ -173,15 +174,16 @@ class _Agent:
     def trajectory(self) -> Trajectory:
         return self.session.trajectory(self.answer, self.error)
 
+    @abstractmethod
     def alive(self) -> bool:
         """Whether it may still send a request."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _poll(self) -> bool:
-        raise NotImplementedError
+        """Whether it has ended (recording its answer or error then)."""
 
-    def _stop(self) -> None:
-        pass
+    def _stop(self) -> None:  # noqa: B027 (a thread cannot be stopped: only processes and Ray tasks override it)
+        """Stop it at its time-out."""
 
 
 class _ProcessAgent(_Agent):
