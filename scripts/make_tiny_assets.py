@@ -9,7 +9,13 @@ and a corrupted answer as ``rejected``), the multiple-choice rows of the shipped
 (``lm_eval/tiny_choice.jsonl``: each held-out question with its answer among three answers of other questions of the
 same kind), unpaired preference rows for KTO made from those pairs (``kto_train.jsonl``,
 ``kto_eval.jsonl``: each prompt once, with its correct answer labeled true or its corrupted one labeled false, in
-turn), and a small pretraining text set (``pretrain.jsonl``).
+turn), a small pretraining text set (``pretrain.jsonl``), and the agentic task (``agent_train.jsonl``,
+``agent_eval.jsonl``): three-digit products, too hard for the tiny model to compute, which a calculator tool answers.
+
+An agent training row is a chat row (``messages``: the question, then either a call of the calculator, its result and
+the number, or, for a share of the rows, a guessed number, so that the SFT model calls the tool only sometimes and RL
+has something to teach; ``tools``, the calculator's schema, on a few rows) that also reads as an RL prompt row
+(``prompt``, ``answer``). An agent held-out row is a prompt row on a question absent from the training rows.
 """
 
 from __future__ import annotations
@@ -27,6 +33,33 @@ VOCAB_SIZE = 1536
 NUM_TRAIN = 6000
 NUM_EVAL = 200
 NUM_PRETRAIN = 3000
+NUM_AGENT_TRAIN = 680
+NUM_AGENT_EVAL = 100
+AGENT_DIRECT_SHARE = 0.55  # the training rows that answer without the tool (a guess: the tiny model cannot multiply)
+# The training rows that list the tools (their system block is ~460 tokens: listed in every row it would be most of
+# the SFT's compute and of the file); the others teach the same turns in short rows.
+AGENT_TOOLS_SHARE = 0.05
+AGENT_THOUGHT = "Use the calculator."  # the reasoning of a tool-calling turn (qwen3 renders a turn before the
+# answer with its <think> block only when the block is not empty: so the turn starts as the generation prompt does)
+# transformers.utils.get_json_schema(xtl.agent_tools.calculator), written out (the generator imports no transformers)
+CALCULATOR_SCHEMA = {
+    "type": "function",
+    "function": {
+        "name": "calculator",
+        "description": "Evaluate an arithmetic expression exactly.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "expression": {
+                    "type": "string",
+                    "description": 'Integers or decimals with + - * / // % ** and parentheses, e.g. "123 * 456".',
+                }
+            },
+            "required": ["expression"],
+        },
+        "return": {"type": "string"},
+    },
+}
 SYSTEM = "You are a precise assistant. Answer with the result only."
 WORDS = (
     "apple river stone cloud tiger lemon pencil garden rocket candle mirror forest window silver planet "
@@ -82,6 +115,9 @@ def main() -> None:
 
     choice_rng = random.Random(f"choice-{args.seed}")
     _write_jsonl(out / "lm_eval" / "tiny_choice.jsonl", choice_rows(evals, choice_rng))
+    agent_train, agent_eval = agent_rows(random.Random(f"agent-{args.seed}"))
+    _write_jsonl(out / "agent_train.jsonl", agent_train, compact=True)
+    _write_jsonl(out / "agent_eval.jsonl", agent_eval, compact=True)
 
     template = (
         Path(__file__).resolve().parent.parent / "xtl" / "assets" / "chat_templates" / "qwen3.jinja"
@@ -106,8 +142,48 @@ def main() -> None:
     total = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
     print(
         f"wrote {out} ({len(train)} train, {len(evals)} eval, {len(pretrain)} pretrain, preference pairs of each SFT "
-        f"row; {total / 1e6:.2f} MB)"
+        f"row, {len(agent_train)} agent train, {len(agent_eval)} agent eval; {total / 1e6:.2f} MB)"
     )
+
+
+def agent_rows(rng: random.Random) -> tuple[list[dict], list[dict]]:
+    """The agentic task: questions ``What is a*b?`` on three-digit numbers.
+
+    Args:
+        rng (random.Random): Source of the questions, of which training rows guess and which list the tools.
+
+    Returns:
+        tuple[list[dict], list[dict]]: The training rows (``prompt``, ``answer``, ``messages``: a tool trace or, for
+        ``AGENT_DIRECT_SHARE`` of them, a guess; ``tools`` on ``AGENT_TOOLS_SHARE`` of them) and the held-out rows
+        (``prompt``, ``answer``) on other questions.
+    """
+    seen: set[str] = set()
+    questions = []
+    while len(questions) < NUM_AGENT_TRAIN + NUM_AGENT_EVAL:
+        a, b = rng.randint(100, 999), rng.randint(100, 999)
+        if f"{a}*{b}" not in seen:
+            seen.add(f"{a}*{b}")
+            questions.append((f"{a}*{b}", str(a * b)))
+    evals = [{"prompt": f"What is {e}?", "answer": answer} for e, answer in questions[:NUM_AGENT_EVAL]]
+    train = []
+    for expression, answer in questions[NUM_AGENT_EVAL:]:
+        question = {"role": "user", "content": f"What is {expression}?"}
+        if rng.random() < AGENT_DIRECT_SHARE:
+            guess = str(int(answer) + rng.choice([-1, 1]) * rng.randint(1, int(answer) // 10))
+            messages = [question, {"role": "assistant", "content": guess}]
+        else:
+            call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": expression}}}
+            messages = [
+                question,
+                {"role": "assistant", "content": "", "reasoning_content": AGENT_THOUGHT, "tool_calls": [call]},
+                {"role": "tool", "content": answer},
+                {"role": "assistant", "content": answer},
+            ]
+        row = {"prompt": question["content"], "answer": answer, "messages": messages}
+        if rng.random() < AGENT_TOOLS_SHARE:
+            row["tools"] = [CALCULATOR_SCHEMA]
+        train.append(row)
+    return train, evals
 
 
 def choice_rows(evals: list[dict], rng: random.Random, num_choices: int = 4) -> list[dict]:
@@ -256,9 +332,10 @@ def _paragraph(rng: random.Random) -> str:
     return " ".join(sentences)
 
 
-def _write_jsonl(path: Path, records: list[dict]) -> None:
+def _write_jsonl(path: Path, records: list[dict], compact: bool = False) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+    separators = (",", ":") if compact else None
+    path.write_text("".join(json.dumps(r, ensure_ascii=False, separators=separators) + "\n" for r in records))
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ import ast
 import contextlib
 import io
 import operator
+import warnings
 
 
 def calculator(expression: str) -> str:
@@ -18,7 +19,10 @@ def calculator(expression: str) -> str:
     Args:
         expression: Integers or decimals with + - * / // % ** and parentheses, e.g. "123 * 456".
     """
-    value = _evaluate(ast.parse(expression.strip(), mode="eval").body)
+    with warnings.catch_warnings():  # a model's "0x1for 2" is a bad expression, not a warning in the trainer's log
+        warnings.simplefilter("ignore", SyntaxWarning)
+        tree = ast.parse(expression.strip(), mode="eval")
+    value = _evaluate(tree.body)
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     return str(value)

@@ -15,6 +15,7 @@ NOTEBOOKS = sorted((Path(__file__).resolve().parents[2] / "notebooks").glob("*.i
 EXPECTED = {
     "finetune_lora.ipynb": "(within 1e-5: True)",
     "finetune_tiny_vlm.ipynb": "exact match: ",
+    "rl_tiny_agent.ipynb": "held-out exact match with tools: SFT ",
     "rl_tiny_grpo.ipynb": "held-out exact match: SFT ",
 }
 

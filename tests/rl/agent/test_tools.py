@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import warnings
 
 import pytest
 
@@ -45,6 +46,13 @@ class TestCalls:
             calculator("__import__('os').getcwd()")
         with pytest.raises(ValueError, match="exponent"):
             calculator("9**999999")
+
+    def test_a_malformed_literal_is_an_error_without_a_warning(self) -> None:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with pytest.raises(ValueError, match="not arithmetic"):
+                calculator("0x1for 2")
+        assert not caught, [str(w.message) for w in caught]
 
     def test_a_subprocess_tool_runs_code_and_is_killed_at_its_time_out(self) -> None:
         tool = Tool(python, subprocess=True, timeout_s=3)
