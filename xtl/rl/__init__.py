@@ -29,6 +29,7 @@ _EXPORTS = {
     "EngineSettings": "xtl.rl.engines",
     "PolicyLossConfig": "xtl.rl.loss",
     "GRPOModule": "xtl.rl.module",
+    "DetachedEngine": "xtl.rl.rollout",
     "LocalRolloutEngine": "xtl.rl.rollout",
     "Rollout": "xtl.rl.rollout",
     "RolloutEngine": "xtl.rl.rollout",

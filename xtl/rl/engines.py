@@ -68,6 +68,7 @@ def start_engine(
     device: torch.device,
     seed: int = 0,
     group: dist.ProcessGroup | None = None,
+    logprobs: bool = False,
 ) -> RolloutEngine:
     """Start the engine ``settings`` name for the policy ``model``.
 
@@ -78,6 +79,9 @@ def start_engine(
         device: The policy's device.
         seed: The vLLM engine's sampling seed (this rank's).
         group: The ranks that decode in lockstep with the local engine (sharded parameters; ``None``: this rank).
+        logprobs: The local engine returns each token's log-probability (partial rollouts: a completion continued
+            under newer weights keeps those of the weights that sampled its first tokens). The other engines always
+            do.
 
     Raises:
         ConfigError: ``vllm`` or ``ray`` without an HF directory or when the run trains adapters such as LoRA's
@@ -85,7 +89,7 @@ def start_engine(
     """
     name = settings.name
     if name == "local":
-        return LocalRolloutEngine(model, group=group)
+        return LocalRolloutEngine(model, group=group, logprobs=logprobs)
     if hf_dir is None:
         raise ConfigError(f"{KEY}.name: {name} starts from an HF model directory: set model.init_args.model to one")
     if model.adapter_tensors():

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from xtl.rl.judger import BaseJudger, RolloutState
-from xtl.rl.rollout import LocalRolloutEngine, Rollout, RolloutEngine, SamplingSettings, hf_named_tensors
+from xtl.rl.rollout import DetachedEngine, LocalRolloutEngine, Rollout, SamplingSettings, hf_named_tensors
 
 
 class RayJudger(BaseJudger):
@@ -81,7 +81,7 @@ class RayJudger(BaseJudger):
         return self._actors
 
 
-class RayRolloutEngine(RolloutEngine):
+class RayRolloutEngine(DetachedEngine):
     """Sample on Ray actors, each running xtl's cached sampler on a copy of the policy.
 
     Args:
@@ -120,11 +120,13 @@ class RayRolloutEngine(RolloutEngine):
         ]
         return [r for part in self._ray.get(refs) for r in part]
 
-    def sync_weights(self, model: torch.nn.Module) -> None:
-        """Put the policy's weights (HF names, whole tensors, on the CPU) in the object store once; every actor loads
-        them."""
-        weights = self._ray.put({name: t.detach().cpu() for name, t in hf_named_tensors(model)})
-        self._ray.get([actor.load.remote(weights) for actor in self.actors])
+    def snapshot(self, model: torch.nn.Module) -> Any:
+        """Put the policy's weights (HF names, whole tensors, copied to the CPU) in the object store once."""
+        return self._ray.put({name: t.detach().cpu() for name, t in hf_named_tensors(model)})  # copied by put
+
+    def adopt(self, snapshot: Any) -> None:
+        """Every actor loads the weights of ``snapshot``."""
+        self._ray.get([actor.load.remote(snapshot) for actor in self.actors])
 
     def state_dict(self) -> dict[str, Any]:
         """Each actor's sampler state."""
@@ -165,7 +167,8 @@ class _SamplerActor:
         with torch.device("meta"):
             model = config.build()
         model.from_hf(hf_dir, device=device)
-        self.engine = LocalRolloutEngine(model.float() if device == "cpu" else model)
+        # behavior log-probabilities: the actor's copy lags the policy by up to max_staleness versions
+        self.engine = LocalRolloutEngine(model.float() if device == "cpu" else model, logprobs=True)
 
     def generate(self, prompts: list[list[int]], sampling: SamplingSettings, stop: list[int]) -> list[Rollout]:
         return self.engine.generate(prompts, sampling, stop)

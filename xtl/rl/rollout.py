@@ -116,6 +116,24 @@ class RolloutEngine(ABC):
         """Restore :meth:`state_dict`."""
 
 
+class DetachedEngine(RolloutEngine):
+    """An engine that samples in other processes with its own copy of the weights (Ray actors): it can sample while
+    the trainer updates (asynchronous rollouts), with weights handed over as snapshots. :meth:`snapshot` runs on the
+    trainer's thread (it reads the policy), :meth:`adopt` on the producer's."""
+
+    @abstractmethod
+    def snapshot(self, model: torch.nn.Module) -> Any:
+        """A copy of ``model``'s current weights the engine can adopt later (the policy may change meanwhile)."""
+
+    @abstractmethod
+    def adopt(self, snapshot: Any) -> None:
+        """Sample with the weights of ``snapshot`` from now on."""
+
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        """Sample with ``model``'s current weights: adopt a snapshot of them."""
+        self.adopt(self.snapshot(model))
+
+
 class LocalRolloutEngine(RolloutEngine):
     """xtl's cached sampler on the policy itself, batched across prompts.
 
@@ -126,12 +144,21 @@ class LocalRolloutEngine(RolloutEngine):
         model: The policy (an xtl model; read at each call, so it is always the current weights).
         max_batch: Prompts decoded together at most.
         group: The ranks that decode in lockstep (``None``: this process alone).
+        logprobs: Return each token's log-probability at the sampling temperature (an engine whose weights may lag
+            the policy's, e.g. a Ray actor's copy: the trainer weighs each token by the ratio of its own to these).
     """
 
-    def __init__(self, model: torch.nn.Module, max_batch: int = 256, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        max_batch: int = 256,
+        group: dist.ProcessGroup | None = None,
+        logprobs: bool = False,
+    ) -> None:
         self.model = model
         self.max_batch = max_batch
         self.group = group
+        self.logprobs = logprobs
         self._generator: torch.Generator | None = None
         self._seed: int | None = None
 
@@ -145,11 +172,12 @@ class LocalRolloutEngine(RolloutEngine):
         for start in range(0, len(prompts), self.max_batch):
             chunk = [list(p) for p in prompts[start : start + self.max_batch]]
             began = time.perf_counter()
-            out = generate(self.model, chunk, config, generator, group=self.group).sequences
+            out = generate(self.model, chunk, config, generator, group=self.group, output_logprobs=self.logprobs)
             seconds = time.perf_counter() - began
-            for prompt, response in zip(chunk, out, strict=True):
+            logprobs = out.logprobs or [None] * len(chunk)
+            for prompt, response, scored in zip(chunk, out.sequences, logprobs, strict=True):
                 stopped = bool(response) and response[-1] in config.stop_token_ids
-                rollouts.append(Rollout(prompt, response, "stop" if stopped else "length", seconds=seconds))
+                rollouts.append(Rollout(prompt, response, "stop" if stopped else "length", scored, seconds))
         return rollouts
 
     def idle_step(self, sampling: SamplingSettings, stop_token_ids: Sequence[int] = ()) -> None:

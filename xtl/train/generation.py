@@ -96,10 +96,14 @@ class GenerationOutput:
     Attributes:
         sequences: The new tokens of each prompt (without the prompt; ending with the stop token if one came).
         logits: Per step, the ``(B, V)`` float32 next-token logits of every sequence (with ``output_logits``).
+        logprobs: Per sequence, the log-probability of each new token under the sampling temperature,
+            ``log_softmax(logits / temperature)[token]`` (with ``output_logprobs``; what the trainer's scorer computes
+            for the same tokens, so the two compare in an importance ratio).
     """
 
     sequences: list[list[int]]
     logits: list[torch.Tensor] = field(default_factory=list)
+    logprobs: list[list[float]] = field(default_factory=list)
 
 
 def generate(
@@ -110,6 +114,7 @@ def generate(
     output_logits: bool = False,
     group: Any = None,
     stop_when: Callable[[list[list[int]]], Sequence[bool]] | None = None,
+    output_logprobs: bool = False,
 ) -> GenerationOutput:
     """Decode continuations of ``prompts`` with a KV cache (the model runs in eval mode meanwhile).
 
@@ -127,6 +132,7 @@ def generate(
             needs every rank): decoding stops when every rank's sequences have stopped (``None``: this process).
         stop_when: Called on the host after each step with every sequence's new tokens so far; a sequence it marks
             ``True`` ends there (stop strings; its output is cut after the current token).
+        output_logprobs: Return each new token's log-probability at the sampling temperature.
 
     Returns:
         GenerationOutput: The new tokens of each prompt (and the logits when asked).
@@ -148,7 +154,7 @@ def generate(
     try:
         with torch.no_grad() if sharded else torch.inference_mode():
             prompts = [list(p) for p in prompts]
-            return _decode(model, prompts, config, generator, output_logits, device, group, stop_when)
+            return _decode(model, prompts, config, generator, output_logits, device, group, stop_when, output_logprobs)
     finally:
         model.train(was_training)
 
@@ -248,6 +254,7 @@ def _decode(
     device: torch.device,
     group: Any = None,
     stop_when: Callable[[list[list[int]]], Sequence[bool]] | None = None,
+    output_logprobs: bool = False,
 ) -> GenerationOutput:
     batch = len(prompts)
     lengths = [len(p) for p in prompts]
@@ -258,6 +265,7 @@ def _decode(
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
     steps: list[torch.Tensor] = []
     kept: list[torch.Tensor] = []
+    scored: list[torch.Tensor] = []  # each step's log-probability of its token (output_logprobs)
     ends = [config.max_new_tokens] * batch  # where stop_when ended each sequence
     # without stop tokens, stop_when or a group to keep in step with, every sequence runs the whole budget: no
     # per-step stop bookkeeping, and no device-to-host sync
@@ -266,6 +274,9 @@ def _decode(
         if output_logits:
             kept.append(logits)
         token = sample_next(logits, config, generator)
+        if output_logprobs:
+            temperature = config.temperature if config.do_sample else 1.0
+            scored.append(torch.log_softmax(logits / temperature, dim=-1).gather(-1, token[:, None])[:, 0])
         if may_stop:
             token = token.masked_fill(finished, config.pad_token_id)
             finished = finished | torch.isin(token, stop)
@@ -277,8 +288,12 @@ def _decode(
         out = model(input_ids=token[:, None], position_ids=positions, kv_cache=cache, logits_to_keep=1)
         positions = positions + 1
         logits = _last_logits(out.logits)
-    rows = [row[:end] for row, end in zip(torch.stack(steps, dim=1).tolist(), ends)]
-    return GenerationOutput(_cut_at_stop(rows, set(config.stop_token_ids)), kept)
+    rows = _cut_at_stop([row[:end] for row, end in zip(torch.stack(steps, dim=1).tolist(), ends)],
+                        set(config.stop_token_ids))  # fmt: skip
+    logprobs = []
+    if output_logprobs:
+        logprobs = [values[: len(row)] for row, values in zip(rows, torch.stack(scored, dim=1).tolist(), strict=True)]
+    return GenerationOutput(rows, kept, logprobs)
 
 
 def _prefill(
