@@ -12,6 +12,7 @@ from xtl.callbacks.lora import LoRA
 from xtl.callbacks.parity_check import HFParityCheck
 from xtl.callbacks.progress import StepProgressBar
 from xtl.callbacks.qlora import QLoRA
+from xtl.callbacks.rollout_trace import RolloutTrace
 from xtl.callbacks.throughput import Throughput
 
 __all__ = [
@@ -26,6 +27,7 @@ __all__ = [
     "LoRA",
     "OffloadStats",
     "QLoRA",
+    "RolloutTrace",
     "StepProgressBar",
     "Throughput",
     "TrainingCheckpoint",

@@ -31,6 +31,7 @@ from collections.abc import Callable
 from typing import Any
 
 from xtl.errors import ConfigError
+from xtl.rl import trace
 from xtl.rl.agent.endpoint import SessionServer
 from xtl.rl.agent.loop import AgentContext, AgentLoop
 from xtl.rl.agent.tools import import_callable
@@ -122,7 +123,11 @@ class BlackBoxAgentLoop(AgentLoop):
             wanted = context.agree(len(prompts)) if context.agree is not None else len(prompts)
             if wanted:
                 if prompts:
-                    for request, rollout in zip(batch, engine.generate(prompts, sampling, stop), strict=True):
+                    rows_of = {agent.session.key: i for i, agent in running.items()}
+                    ids = context.ids([rows_of[r.session.key] for r in batch if r.session.key in rows_of])
+                    with trace.current().span("engine.generate", "generate", ids, requests=len(prompts)):
+                        rollouts = engine.generate(prompts, sampling, stop)
+                    for request, rollout in zip(batch, rollouts, strict=True):
                         server.answer(request, rollout)
                 else:
                     engine.idle_step(sampling, stop)

@@ -73,8 +73,9 @@ class EnvironmentLoop(AgentLoop):
         """Run every row's episode to its end, one engine call per turn."""
         episodes = [self._start(row, context) for row in rows]
         while True:
-            active = [e for e in episodes if e.result is None]
-            rollouts = lockstep_generate(engine, [e.builder.context_ids for e in active], sampling, context)
+            indices = [i for i, e in enumerate(episodes) if e.result is None]
+            active = [episodes[i] for i in indices]
+            rollouts = lockstep_generate(engine, [e.builder.context_ids for e in active], sampling, context, indices)
             if rollouts is None:
                 break
             for episode, rollout in zip(active, rollouts, strict=True):

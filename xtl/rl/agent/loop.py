@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from xtl.rl import trace
 from xtl.rl.agent.chat import ChatFormat
 from xtl.rl.agent.trajectory import Trajectory, TrajectoryBuilder
 from xtl.rl.rollout import Rollout, RolloutEngine, SamplingSettings
@@ -35,10 +36,19 @@ class AgentContext:
         chat: The run's chat format (render, parse, continue).
         agree: The most of a count over the data-parallel ranks (``None``: one rank); loops call it once per turn
             with their number of unfinished trajectories, through :func:`lockstep_generate`.
+        sample_ids: The rows' sample ids (aligned with the rows of :meth:`AgentLoop.rollout`), for the rollout
+            trace (:mod:`xtl.rl.trace`); ``None``: not traced per sample.
     """
 
     chat: ChatFormat
     agree: Callable[[int], int] | None = None
+    sample_ids: list[str] | None = None
+
+    def ids(self, indices: list[int] | None = None) -> list[str]:
+        """The sample ids of the rows at ``indices`` (every row's by default; ``[]`` when untraced)."""
+        if self.sample_ids is None:
+            return []
+        return list(self.sample_ids) if indices is None else [self.sample_ids[i] for i in indices]
 
 
 class AgentLoop(ABC):
@@ -82,7 +92,8 @@ class SingleTurnLoop(AgentLoop):
         """Sample every row's completion in one engine call."""
         chat = context.chat
         prompts = [chat.prompt_ids(row["prompt"]) for row in rows]
-        rollouts = engine.generate(prompts, sampling, chat.stop_token_ids)
+        with trace.current().span("engine.generate", "generate", context.ids(), requests=len(prompts)):
+            rollouts = engine.generate(prompts, sampling, chat.stop_token_ids)
         out = []
         for row, rollout in zip(rows, rollouts, strict=True):
             builder = TrajectoryBuilder(rollout.prompt_ids)
@@ -99,8 +110,10 @@ def lockstep_generate(
     prompts: list[list[int]],
     sampling: SamplingSettings,
     context: AgentContext,
+    indices: list[int] | None = None,
 ) -> list[Rollout] | None:
-    """One engine call over ``prompts``, joined by every rank that still has turns to sample.
+    """One engine call over ``prompts``, joined by every rank that still has turns to sample (``indices``: the rows
+    the prompts belong to, for the trace).
 
     Returns:
         The rollouts (one per prompt), or ``None`` when no rank has a prompt left (the loop is over). A rank with no
@@ -110,6 +123,7 @@ def lockstep_generate(
     if wanted == 0:
         return None
     if prompts:
-        return engine.generate(prompts, sampling, context.chat.stop_token_ids)
+        with trace.current().span("engine.generate", "generate", context.ids(indices), requests=len(prompts)):
+            return engine.generate(prompts, sampling, context.chat.stop_token_ids)
     engine.idle_step(sampling, context.chat.stop_token_ids)
     return []

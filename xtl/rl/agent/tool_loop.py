@@ -19,6 +19,7 @@ import threading
 from typing import Any
 
 from xtl.errors import ConfigError
+from xtl.rl import trace
 from xtl.rl.agent.chat import ChatFormat, ParsedTurn
 from xtl.rl.agent.loop import AgentContext, AgentLoop, lockstep_generate
 from xtl.rl.agent.tools import Tool, ToolResult, as_tools
@@ -81,7 +82,8 @@ class ToolLoop(AgentLoop):
         done: list[Trajectory | None] = [None] * len(rows)
         while True:
             active = [i for i, c in enumerate(live) if done[i] is None]
-            rollouts = lockstep_generate(engine, [live[i].builder.context_ids for i in active], sampling, context)
+            prompts = [live[i].builder.context_ids for i in active]
+            rollouts = lockstep_generate(engine, prompts, sampling, context, active)
             if rollouts is None:
                 break
             pending: list[tuple[int, dict[str, Any]]] = []  # (conversation, call) of this turn
@@ -103,7 +105,7 @@ class ToolLoop(AgentLoop):
                     done[i] = conv.finish("length")
                 else:
                     pending += [(i, call) for call in self._number(conv, parsed)]
-            results = self._run_calls(live, pending)
+            results = self._run_calls(live, pending, context)
             for i in sorted({i for i, _ in pending} | {i for i in active if done[i] is None and live[i].last.error}):
                 conv = live[i]
                 if conv.last.error is not None:
@@ -131,12 +133,19 @@ class ToolLoop(AgentLoop):
             allowed.append(call)
         return allowed
 
-    def _run_calls(self, live: list[_Conversation], pending: list[tuple[int, dict[str, Any]]]) -> list[ToolResult]:
+    def _run_calls(
+        self, live: list[_Conversation], pending: list[tuple[int, dict[str, Any]]], context: AgentContext
+    ) -> list[ToolResult]:
         """Run the turn's calls concurrently (each under its own time-out) and count them."""
         results: list[ToolResult | None] = [None] * len(pending)
+        tracer, parent = trace.current(), trace.carrier()
 
         def run(k: int, tool: Tool, arguments: dict[str, Any]) -> None:
-            results[k] = tool.call(arguments)
+            i, call = pending[k]
+            name = call["function"]["name"]
+            with tracer.span(f"tool.{name}", "tool", context.ids([i]), parent=parent, tool=name) as span:
+                results[k] = tool.call(arguments)
+                span.set(tool_status=results[k].status)
 
         threads = []
         for k, (i, call) in enumerate(pending):
