@@ -13,6 +13,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from tests.rl.agent.test_training import CallsFirst
 from xtl.command import main
 from xtl.rl import GRPOModule
+from xtl.rl.trace_viewer import load_spans
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "configs" / "tiny_agent_grpo.yaml"
@@ -62,15 +63,24 @@ class TestAgentRecipe:
         self, random_export, tmp_path, monkeypatch
     ):
         """A random policy seldom writes a call: the first turn of every rollout calls the calculator
-        (:class:`CallsFirst`), the rest is the policy's own."""
+        (:class:`CallsFirst`), the rest is the policy's own. With the rollout trace, each call is a tool span of its
+        sample."""
         monkeypatch.chdir(tmp_path)
 
         def calls_first(module: GRPOModule) -> CallsFirst:
             return CallsFirst(module.model, module.trainer.datamodule.load_tokenizer())
 
         monkeypatch.setattr(GRPOModule, "_start_engine", calls_first)
-        assert _run(["fit", *_small(random_export, tmp_path / "run")]) == 0
+        trace = ["--config", str(ROOT / "callbacks" / "rollout_trace.yaml")]
+        assert _run(["fit", *_small(random_export, tmp_path / "run"), *trace]) == 0
         logged = _logged(tmp_path / "run")
+        spans = load_spans(tmp_path / "run" / "traces.jsonl")
+        tools = [s for s in spans if s["stage"] == "tool"]
+        assert len(tools) == 2 * 2 * 2, "one calculator span per trajectory (2 rollout batches x 2 prompts x 2)"
+        assert all(
+            s["chain"].endswith("ToolLoop.rollout -> tool.calculator") and len(s["samples"]) == 1 for s in tools
+        )
+        assert (tmp_path / "run" / "traces.html").is_file()
         assert logged["rollout/tool_calls"] and min(logged["rollout/tool_calls"]) == 1.0, "one call per trajectory"
         assert max(logged["rollout/tool_errors"]) == 0.0 and max(logged["rollout/malformed_calls"]) == 0.0
         assert min(logged["rollout/turns"]) == 2.0, "the call's result, then the answer"

@@ -159,3 +159,76 @@ class TestRanksAgree:
         groups, stats = _produce(engine, FunctionJudger(_reward), buffer, dynamic_sampling=True, max_rounds=3,
                                  agree=lambda n: max(n, next(others)))  # fmt: skip
         assert len(groups) == 2 and stats.rounds == 2 and [g.row["index"] for g in buffer.groups] == [2, 3]
+
+
+class StreamEngine(RolloutEngine):
+    """Row ``k``'s completion is ``lengths[k]`` tokens ``100 * k + i``, then the stop token; each call continues a
+    prompt ``[k, *tokens so far]`` by at most ``max_new_tokens`` tokens. A token's log-probability is
+    ``-version - i / 1000``: which weights sampled it, and where."""
+
+    def __init__(self, lengths: dict[int, int]) -> None:
+        self.lengths = lengths
+        self.version = 0
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingSettings, stop_token_ids=()):
+        out = []
+        for prompt in prompts:
+            k, done = prompt[0], len(prompt) - 1
+            whole = [100 * k + i for i in range(self.lengths[k])] + [STOP]
+            ids = whole[done : done + sampling.max_new_tokens]
+            logprobs = [-self.version - (done + i) / 1000 for i in range(len(ids))]
+            out.append(Rollout(list(prompt), ids, "stop" if ids[-1] == STOP else "length", logprobs))
+        return out
+
+
+class TestPartialRollouts:
+    def _batch(self, engine, buffer, rows, version, **kwargs):
+        return produce_batch(
+            1, lambda n: [next(rows) for _ in range(n)], SingleTurnLoop(), AgentContext(IndexChat()), engine,
+            FunctionJudger(_reward), SamplingSettings(group_size=2, max_new_tokens=kwargs.pop("budget", 16)), buffer,
+            version, partial_tokens=4, **kwargs,
+        )  # fmt: skip
+
+    def test_a_long_completion_pauses_and_continues_under_newer_weights_keeping_its_tokens(self) -> None:
+        """Row 1 (10 tokens) pauses twice at 4-token rounds and finishes in the third batch: its tokens are the
+        whole completion, each with the log-probability of the weights that sampled it; row 0 finishes at once."""
+        engine, buffer, rows = StreamEngine({0: 10, 1: 3, 2: 3, 3: 3}), ReplayBuffer(max_staleness=4), iter(_rows(4))
+        groups, stats = self._batch(engine, buffer, rows, version=0)
+        assert groups == [] and stats.partial_groups == 1 and stats.states[SampleState.ABORTED] == 2
+        assert all(s.paused and s.finish_reason == "abort" for s in buffer.partial[0].samples)
+        engine.version = 1
+        groups, stats = self._batch(engine, buffer, rows, version=1)
+        assert [g.row["index"] for g in groups] == [1] and stats.resumed == 2 and stats.partial_groups == 1
+        engine.version = 2
+        groups, stats = self._batch(engine, buffer, rows, version=2)
+        (group,) = groups
+        assert group.row["index"] == 0 and (group.started, group.version) == (0, 2) and stats.resumed == 2
+        for sample in group.samples:
+            assert sample.response_ids == [*range(10), STOP] and sample.state == SampleState.COMPLETED
+            assert sample.finish_reason == "stop" and sample.resumes == 2 and sample.reward is not None
+            assert [round(-lp) for lp in sample.logprobs] == [0] * 4 + [1] * 4 + [2] * 3
+            assert sample.logprobs[5] == pytest.approx(-1.005), "continued where it paused"
+        assert stats.staleness == [2, 2], "counted from the weights that began it"
+        assert stats.metrics()["rollout/resumed"] == 2.0
+
+    def test_a_completion_paused_too_often_expires_and_one_past_the_budget_is_cut(self) -> None:
+        engine, rows = StreamEngine({0: 50, 1: 5}), iter(_rows(2))
+        buffer = ReplayBuffer(max_staleness=4)
+        self._batch(engine, buffer, rows, version=0, max_resumes=1)
+        groups, stats = self._batch(engine, buffer, rows, version=1, max_resumes=1)
+        assert stats.states[SampleState.EXPIRED] == 2 and stats.resumed == 2 and not buffer.partial
+        expired = [g for g in groups if g.row["index"] == 0]
+        assert expired and all(s.state == SampleState.EXPIRED for s in expired[0].samples)
+        assert expired[0].rewards == [], "an expired completion is not judged"
+        rows, buffer = iter(_rows(2)), ReplayBuffer()
+        self._batch(engine, buffer, rows, version=0, budget=6)
+        groups, _ = self._batch(engine, buffer, rows, version=1, budget=6)
+        cut = [g for g in groups if g.row["index"] == 0][0].samples[0]
+        assert cut.response_ids == list(range(6)) and cut.finish_reason == "length" and len(cut.logprobs) == 6
+
+    def test_paused_groups_are_checkpointed(self) -> None:
+        engine, buffer = StreamEngine({0: 10}), ReplayBuffer()
+        self._batch(engine, buffer, iter(_rows(1)), version=0)
+        restored = ReplayBuffer()
+        restored.load_state_dict(buffer.state_dict())
+        assert restored.partial == buffer.partial and restored.partial[0].samples[0].paused

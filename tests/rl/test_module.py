@@ -57,7 +57,7 @@ def _module(rollout: dict | None = None, updates: dict | None = None, **kwargs) 
         optimizer=AdamWConfig(lr=1e-2, weight_decay=0.0),
         schedule=ScheduleConfig(warmup_steps=0, kind="constant"),
     )
-    return GRPOModule(MODEL, **{**settings, **kwargs})
+    return GRPOModule(kwargs.pop("model", MODEL), **{**settings, **kwargs})
 
 
 class MetricRecorder(pl.Callback):

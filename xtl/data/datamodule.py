@@ -345,6 +345,8 @@ class XTLDataModule(pl.LightningDataModule):
         state = {"consumed_samples": self.consumed_samples, "seed": self.seed}
         if self.prompts is not None:
             state["consumed_prompts"] = self.prompts.consumed
+            if self.prompts.task_consumed:
+                state["task_consumed_prompts"] = dict(self.prompts.task_consumed)
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -356,6 +358,7 @@ class XTLDataModule(pl.LightningDataModule):
         self._consumed_samples = int(state_dict["consumed_samples"])
         if self.prompts is not None:
             self.prompts.consumed = int(state_dict.get("consumed_prompts", 0))
+            self.prompts.task_consumed = dict(state_dict.get("task_consumed_prompts", {}))
         if self._train_loader is not None:
             self._train_loader.step_sampler.consumed_samples = self._consumed_samples
 
@@ -371,6 +374,17 @@ class XTLDataModule(pl.LightningDataModule):
         if self.prompts is None:
             raise DataError("RL draws prompts from kind: prompt sources: set data.sources[*].kind: prompt")
         return self.prompts.take(count, *self.data_parallel_rank())
+
+    def take_task(self, task: str, count: int) -> list[dict[str, Any]]:
+        """RL with several tasks: this rank's next ``count`` prompt rows of ``task`` (a ``data_source``;
+        :meth:`xtl.data.prompts.PromptSet.take_task`).
+
+        Raises:
+            DataError: The training sources are not ``kind: prompt``, or no row has that ``data_source``.
+        """
+        if self.prompts is None:
+            raise DataError("RL draws prompts from kind: prompt sources: set data.sources[*].kind: prompt")
+        return self.prompts.take_task(task, count, *self.data_parallel_rank())
 
     @property
     def consumed_samples(self) -> int:

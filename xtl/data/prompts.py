@@ -9,13 +9,15 @@ of a mixed set).
 
 The RL module draws its prompts itself (:meth:`PromptSet.take`): how many depends on what it filters and refills,
 which a data loader cannot know ahead. The order is a seeded permutation per epoch; the state is one number, the
-prompts consumed by all ranks.
+prompts consumed by all ranks. Several tasks in one run draw per task (:meth:`PromptSet.take_task`: the rows of one
+``data_source``, in an order of their own, with a count of their own).
 """
 
 from __future__ import annotations
 
 import json
 import re
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +44,9 @@ class PromptSet:
         self.seed = seed
         self.key = key
         self.consumed = 0
+        self.task_consumed: dict[str, int] = {}  # per task (data_source), by all ranks (take_task)
         self._rows: list[dict[str, Any]] | None = None
+        self._task_rows: dict[str, list[dict[str, Any]]] = {}
 
     @property
     def rows(self) -> list[dict[str, Any]]:
@@ -62,17 +66,45 @@ class PromptSet:
         rows, out = self.rows, []
         for i in range(count):
             epoch, offset = divmod(self.consumed + i * world_size + rank, len(rows))
-            out.append(rows[int(self._order(epoch)[offset])])
+            out.append(rows[int(self._order(epoch, len(rows))[offset])])
         self.consumed += count * world_size
+        return out
+
+    @property
+    def tasks(self) -> list[str]:
+        """The rows' ``data_source`` values, in order of first appearance."""
+        return list(dict.fromkeys(row["data_source"] for row in self.rows))
+
+    def take_task(self, task: str, count: int, rank: int = 0, world_size: int = 1) -> list[dict[str, Any]]:
+        """This rank's next ``count`` rows of ``task`` (rows whose ``data_source`` is ``task``), in a seeded order
+        of that task's own; every rank calls it together.
+
+        Raises:
+            DataError: No row has that ``data_source``.
+        """
+        if task not in self._task_rows:
+            rows = [row for row in self.rows if row["data_source"] == task]
+            if not rows:
+                raise DataError(
+                    f"model.init_args.rollout.tasks: no prompt row of {self.key} has data_source {task!r} "
+                    f"(they have: {', '.join(self.tasks)})"
+                )
+            self._task_rows[task] = rows
+        rows, out, done = self._task_rows[task], [], self.task_consumed.get(task, 0)
+        salt = zlib.crc32(task.encode())
+        for i in range(count):
+            epoch, offset = divmod(done + i * world_size + rank, len(rows))
+            out.append(rows[int(self._order(epoch, len(rows), salt)[offset])])
+        self.task_consumed[task] = done + count * world_size
         return out
 
     def loader(self, batch_size: int) -> torch.utils.data.DataLoader:
         """Every row in file order, ``batch_size`` at a time, the same on every rank (evaluation)."""
         return torch.utils.data.DataLoader(self.rows, batch_size=batch_size, collate_fn=list)
 
-    def _order(self, epoch: int) -> torch.Tensor:
-        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-        return torch.randperm(len(self.rows), generator=generator)
+    def _order(self, epoch: int, size: int, salt: int = 0) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch + salt * 7_919)
+        return torch.randperm(size, generator=generator)
 
 
 class StepTickets(torch.utils.data.IterableDataset):

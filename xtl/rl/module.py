@@ -14,6 +14,11 @@ TRL does the same when its generation and optimizer steps align), for the others
 reference's when ``objective.beta > 0``, for every update). Pending updates and leftover groups are part of the
 checkpoint, with the sampler's random state and the prompt order, so a resumed run takes exactly the steps the
 uninterrupted one would.
+
+With ``rollout.asynchronous``, rollout batches are produced on a thread (:mod:`xtl.rl.producer`) by an engine that
+samples in other processes, while the trainer updates: batch ``n`` is sampled with the weights of
+``rollout.max_staleness`` optimizer steps before it trains, and each token's policy term is weighted by the truncated
+ratio of the trainer's log-probability to the engine's (the behavior policy's).
 """
 
 from __future__ import annotations
@@ -33,13 +38,24 @@ from xtl.errors import ConfigError
 from xtl.model import ModelOutput
 from xtl.rl.agent.chat import ChatFormat
 from xtl.rl.agent.loop import AgentContext, AgentLoop, SingleTurnLoop
-from xtl.rl.buffer import Group, ProduceStats, ReplayBuffer, Sample, SampleState, produce_batch
+from xtl.rl.buffer import (
+    Group,
+    ProduceStats,
+    ReplayBuffer,
+    Sample,
+    SampleState,
+    group_dict,
+    group_from,
+    produce_batch,
+)
 from xtl.rl.engines import EngineSettings, start_engine
 from xtl.rl.judger import BaseJudger, MathJudger, RolloutState
 from xtl.rl.loss import POLICY_STATS, PolicyLossConfig, group_advantages, overlong_penalty, policy_loss, policy_metrics
 from xtl.rl.packing import RLMicroBatch, cut_micro_batches, split_round_robin
-from xtl.rl.rollout import GreedyEngine, RolloutEngine, SamplingSettings
+from xtl.rl.producer import AsyncProducer, Produced
+from xtl.rl.rollout import DetachedEngine, GreedyEngine, RolloutEngine, SamplingSettings
 from xtl.rl.settings import RolloutSettings, UpdateSettings, moved_key
+from xtl.rl.tasks import TaskMix
 from xtl.train.base import LanguageModule
 from xtl.train.generation import GenerationConfig, chat_prompt_ids, generate, split_thinking, stop_token_ids
 from xtl.train.reference import ReferenceConfig, ReferenceMode, ReferencePolicy, reference_config
@@ -110,6 +126,16 @@ class GRPOModule(LanguageModule):
                 f"model.init_args.updates.mini_batches ({updates.mini_batches}) exceeds the samples of a rollout "
                 f"batch (rollout.prompts_per_step x sampling.group_size = {samples})"
             )
+        if rollout.asynchronous and engine.name != "ray":
+            raise ConfigError(
+                "model.init_args.rollout.asynchronous produces rollouts while the trainer updates: it needs an engine "
+                f"that samples in other processes (engine.name: ray), not {engine.name}"
+            )
+        if rollout.partial_tokens is not None and agent is not None and not isinstance(agent, SingleTurnLoop):
+            raise ConfigError(
+                "model.init_args.rollout.partial_tokens pauses and continues single-turn completions; an agent loop's "
+                "trajectories are sampled whole: remove one of them"
+            )
         if rollout.overlong_buffer is not None and rollout.overlong_buffer > sampling.max_new_tokens:
             raise ConfigError(
                 f"model.init_args.rollout.overlong_buffer must be in (0, sampling.max_new_tokens="
@@ -135,6 +161,11 @@ class GRPOModule(LanguageModule):
         self._stop: tuple[Any, tuple[int, ...]] | None = None  # (tokenizer, template) -> its stop tokens
         self._chat: tuple[Any, ChatFormat] | None = None  # (tokenizer, template) -> the agent loop's chat format
         self._agent_state: dict[str, Any] = {}
+        self._producer: AsyncProducer | None = None
+        self._batches = 0  # rollout batches taken for training
+        self._produced: list[Produced] = []  # produced before a checkpoint, not trained yet (asynchronous)
+        self._producer_next: int | None = None
+        self._tasks = TaskMix(rollout.tasks) if rollout.tasks else None
 
     # ---- model -----------------------------------------------------------------------------------------------
 
@@ -158,6 +189,13 @@ class GRPOModule(LanguageModule):
                 "GRPOModule draws prompts from kind: prompt sources (rows with a prompt and an answer): set "
                 "data.sources[*].kind: prompt"
             )
+        if self._tasks is not None:
+            missing = [task for task in self._tasks.shares if task not in datamodule.prompts.tasks]
+            if missing:
+                raise ConfigError(
+                    f"model.init_args.rollout.tasks: no prompt row has data_source {missing[0]!r} (the prompt rows "
+                    f"have: {', '.join(datamodule.prompts.tasks)}); set data.sources[*].data_source"
+                )
 
     def on_fit_start(self) -> None:
         """Start the rollout engine on the policy and say what trains."""
@@ -167,6 +205,8 @@ class GRPOModule(LanguageModule):
             self.engine.load_state_dict(self._engine_state)
         if self._agent_state:
             self.agent.load_state_dict(self._agent_state)
+        if self.rollout.asynchronous:
+            self._start_producer()
         objective = self.objective
         rank_zero_info(
             f"xtl rl: {objective.loss_type} ({objective.importance_sampling}-level ratio, clip "
@@ -174,16 +214,21 @@ class GRPOModule(LanguageModule):
             f"{self.reference.mode}: {self.reference.describe()}); {self.rollout.prompts_per_step} prompts x "
             f"{self.sampling.group_size} completions per rank and rollout batch ({self.agent.describe()}), "
             f"{self.updates.steps_per_batch} optimizer step(s) each"
-        )
+            + (f"; produced asynchronously, at most {self.rollout.max_staleness} step(s) stale"
+               if self._producer is not None else "")
+        )  # fmt: skip
 
     def on_fit_end(self) -> None:
-        """Release what the agent loop holds (an endpoint, agent processes)."""
+        """Stop the rollout producer; release what the agent loop holds (an endpoint, agent processes)."""
+        self._stop_producer()
         self.agent.close()
 
     # ---- training --------------------------------------------------------------------------------------------
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         """One optimizer step on the next pending update (producing a rollout batch first when none is left)."""
+        if self._producer is not None and self._producer.needs(self.global_step, self._batches):
+            self._producer.publish(self.global_step, self.engine.snapshot(self.model))
         if not self._pending:
             self._produce()
         pending = self._pending.pop(0)
@@ -281,8 +326,15 @@ class GRPOModule(LanguageModule):
         state, the judger's state. The ranks' states are gathered, since a sharded checkpoint keeps rank 0's
         non-tensor state only."""
         super().on_save_checkpoint(checkpoint)
+        produced = self._produced
+        if self._producer is not None:  # a quiet producer: every batch whose weights it has is produced
+            produced = self._producer.drain()
+            self._patch_consumed_prompts(checkpoint)
         engine = self.engine.state_dict() if self.engine is not None else self._engine_state
         state = {
+            "batches": self._batches,
+            "produced": [_produced_dict(p) for p in produced],
+            "producer_next": self._producer.next_index if self._producer is not None else self._producer_next,
             "pending": [[mb.state() for mb in update] for update in self._pending],
             "buffer": self.buffer.state_dict(),
             "engine": engine,
@@ -322,6 +374,9 @@ class GRPOModule(LanguageModule):
         self._agent_state = state.get("agent", {})
         self.agent.load_state_dict(self._agent_state)
         self._rollout_metrics = dict(state.get("rollout_metrics", {}))
+        self._batches = int(state.get("batches", 0))
+        self._produced = [_produced_from(p) for p in state.get("produced", [])]
+        self._producer_next = state.get("producer_next")
 
     # ---- private ---------------------------------------------------------------------------------------------
 
@@ -329,7 +384,13 @@ class GRPOModule(LanguageModule):
         rank = self.trainer.datamodule.data_parallel_rank()[0]
         group = self.parallelizer.world_group() if self.parallelizer.shards_parameters else None
         return start_engine(
-            self.engine_settings, self.model, self.hf_dir, self.device, seed=self.sampling.seed + rank, group=group
+            self.engine_settings,
+            self.model,
+            self.hf_dir,
+            self.device,
+            seed=self.sampling.seed + rank,
+            group=group,
+            logprobs=self.rollout.partial_tokens is not None,
         )
 
     def _stop_token_ids(self) -> tuple[int, ...]:
@@ -362,11 +423,16 @@ class GRPOModule(LanguageModule):
         datamodule = self.trainer.datamodule
         rank = datamodule.data_parallel_rank()[0]
         sampling = replace(self.sampling, seed=self.sampling.seed + 1_000_003 * rank)
-        if self._synced_step != self.global_step:  # the engine samples with the weights of this step
-            self.engine.sync_weights(self.model)
-            self._synced_step = self.global_step
-        with self.parallelizer.whole_sequences(self.model):  # a context-parallel group decodes whole sequences
-            groups, stats = self._produce_groups(datamodule, sampling)
+        if self._producer is not None:  # produced on the producer's thread, with the weights the schedule says
+            produced = self._producer.take(self._batches)
+            groups, stats = produced.groups, produced.stats
+        else:
+            if self._synced_step != self.global_step:  # the engine samples with the weights of this step
+                self.engine.sync_weights(self.model)
+                self._synced_step = self.global_step
+            with self.parallelizer.whole_sequences(self.model):  # a context-parallel group decodes whole sequences
+                groups, stats = self._produce_groups(datamodule, sampling, self.global_step)
+        self._batches += 1
         samples, advantages = self._advantages(groups)
         self._rollout_metrics = self._metrics(stats, groups, samples)
         updates = [
@@ -383,26 +449,73 @@ class GRPOModule(LanguageModule):
                     self._fill_logps(mb, policy=k > 0 or self.routing_replay)
         self._pending = [list(update) for _ in range(self.updates.epochs) for update in updates]
 
-    def _produce_groups(self, datamodule: Any, sampling: SamplingSettings) -> tuple[list[Group], ProduceStats]:
-        """Draw prompts, sample their groups through the agent loop, judge and shape them (one rollout batch's
-        groups)."""
+    def _produce_groups(
+        self, datamodule: Any, sampling: SamplingSettings, version: int, train_step: int | None = None
+    ) -> tuple[list[Group], ProduceStats]:
+        """Draw prompts, sample their groups through the agent loop (with the weights of step ``version``), judge
+        and shape them (one rollout batch's groups, training from ``train_step``)."""
         rollout = self.rollout
+        asynchronous = self._producer is not None  # on the producer's thread: no collective with the other ranks
+        take = datamodule.take
+        if self._tasks is not None:
+            mix = self._tasks
+
+            def take(count: int) -> list[dict[str, Any]]:
+                return mix.take(datamodule.take_task, count)
+
         return produce_batch(
             rollout.prompts_per_step,
-            datamodule.take,
+            take,
             self.agent,
             self._context(),
             self.engine,
             self.judger,
             sampling,
             self.buffer,
-            self.global_step,
+            version,
             rollout.dynamic_sampling,
             rollout.max_rounds,
             self._shape_rewards if rollout.overlong_buffer else None,
             rollout.oversample,
-            self._most_over_data_ranks,
+            None if asynchronous else self._most_over_data_ranks,
+            train_step,
+            rollout.partial_tokens,
+            rollout.max_resumes,
         )
+
+    def _start_producer(self) -> None:
+        """Start the thread that produces rollout batches (``rollout.asynchronous``), with the batches a checkpoint
+        kept."""
+        if not isinstance(self.engine, DetachedEngine):
+            raise ConfigError(
+                "model.init_args.rollout.asynchronous needs an engine that samples in other processes "
+                f"(engine.name: ray); {type(self.engine).__name__} samples with the policy itself"
+            )
+        datamodule = self.trainer.datamodule
+        rank = datamodule.data_parallel_rank()[0]
+        sampling = replace(self.sampling, seed=self.sampling.seed + 1_000_003 * rank)
+        steps = self.updates.steps_per_batch
+
+        def produce(index: int, version: int) -> tuple[list[Group], ProduceStats]:
+            return self._produce_groups(datamodule, sampling, version, index * steps)
+
+        start = self._producer_next if self._producer_next is not None else self._batches
+        self._producer = AsyncProducer(produce, self.engine.adopt, steps, self.rollout.max_staleness, start)
+        self._producer.restore(self._produced)
+        self._produced = []
+
+    def _stop_producer(self) -> None:
+        if self._producer is not None:
+            self._producer.stop()
+            self._producer = None
+
+    def _patch_consumed_prompts(self, checkpoint: dict[str, Any]) -> None:
+        """The prompts drawn, as of the drained producer: Lightning saved the data module's state before this hook,
+        while the producer may still have been drawing."""
+        datamodule = self.trainer.datamodule
+        state = checkpoint.get(type(datamodule).__qualname__)
+        if isinstance(state, dict):
+            state.update(datamodule.state_dict())
 
     def _most_over_data_ranks(self, count: int) -> int:
         """The largest ``count`` over the data-parallel ranks (``count`` itself on one rank)."""
@@ -452,6 +565,8 @@ class GRPOModule(LanguageModule):
         out["train/completions/mean_length"] = float(np.mean(lengths))
         out["train/completions/min_length"] = float(min(lengths))
         out["train/completions/max_length"] = float(max(lengths))
+        if self._tasks is not None:
+            out.update(self._tasks.metrics(groups))
         out["train/completions/clipped_ratio"] = sum(s.finish_reason == "length" for s in samples) / max(
             len(samples), 1
         )
@@ -506,3 +621,24 @@ class GRPOModule(LanguageModule):
         if with_entropy:
             entropy = pack_values(scores, mb.positions, scores.entropy, group)[mb.rows] * mb.mask
         return logps, entropy
+
+
+def _produced_dict(produced: Produced) -> dict[str, Any]:
+    from dataclasses import asdict
+
+    stats = asdict(produced.stats)
+    stats.pop("expired_groups")  # traced already
+    stats["states"] = {state.value: count for state, count in produced.stats.states.items()}  # plain data
+    stats["agent"] = dict(produced.stats.agent)
+    return {"index": produced.index, "version": produced.version, "groups": [group_dict(g) for g in produced.groups],
+            "stats": stats}  # fmt: skip
+
+
+def _produced_from(state: dict[str, Any]) -> Produced:
+    from collections import Counter
+
+    stats = dict(state["stats"])
+    stats["states"] = Counter({SampleState(k): v for k, v in stats["states"].items()})
+    stats["agent"] = Counter(stats["agent"])
+    groups = [group_from(g) for g in state["groups"]]
+    return Produced(state["index"], state["version"], groups, ProduceStats(**stats))

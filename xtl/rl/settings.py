@@ -46,7 +46,19 @@ class RolloutSettings:
         max_rounds: Generation rounds per rollout batch at most.
         oversample: Each round draws this many times the missing prompts (above 1 with dynamic sampling, so one round
             usually brings enough groups; the surplus waits in the replay buffer for the next batch).
-        max_staleness: Leftover groups train while at most this many steps older than the policy.
+        max_staleness: A group trains while at most this many optimizer steps older than the policy (leftover groups
+            older than that expire). With ``asynchronous``, also how far ahead rollouts are produced: each rollout
+            batch is sampled with the weights of ``max_staleness`` steps before it trains (``0``: the synchronous
+            run).
+        asynchronous: Produce rollout batches on a separate worker while the trainer updates (an engine that samples
+            in other processes: ``engine.name: ray``); see :mod:`xtl.rl.producer`.
+        partial_tokens: Partial rollouts (single-turn): an engine call samples at most this many tokens of a
+            completion; unfinished groups wait and are continued by the next rollout batch, with its weights
+            (``None``: completions are sampled whole).
+        max_resumes: With ``partial_tokens``, a completion still unfinished after this many continuations expires.
+        tasks: Several tasks in one run: ``data_source -> share`` of each rollout batch's prompts (each task's rows
+            drawn in an order of their own; results logged per task as ``rollout/task/<data_source>/...``; score each
+            task with its own judger through a ``ComposedJudger``). ``None``: one stream of every row.
         overlong_buffer: DAPO's soft overlong punishment: the last ``overlong_buffer`` tokens before
             ``sampling.max_new_tokens`` lower the reward linearly to ``-overlong_penalty`` (``None``: off).
         overlong_penalty: See ``overlong_buffer``.
@@ -62,10 +74,24 @@ class RolloutSettings:
     max_staleness: int = 1
     overlong_buffer: int | None = None
     overlong_penalty: float = 1.0
+    asynchronous: bool = False
+    partial_tokens: int | None = None
+    max_resumes: int = 2
+    tasks: dict[str, float] | None = None
 
     def __post_init__(self) -> None:
         for name in ("prompts_per_step", "max_rounds"):
             _at_least(f"rollout.{name}", getattr(self, name), 1)
+        _at_least("rollout.max_resumes", self.max_resumes, 0)
+        if self.partial_tokens is not None:
+            _at_least("rollout.partial_tokens", self.partial_tokens, 1)
+        if self.tasks is not None:
+            if not self.tasks:
+                raise ConfigError(f"{KEY}.rollout.tasks is empty: name each data_source with its share, or remove it")
+            for task, share in self.tasks.items():
+                if isinstance(share, bool) or not share > 0:
+                    raise ConfigError(f"{KEY}.rollout.tasks.{task} must be a share > 0, got {share!r}")
+            self.tasks = {str(task): float(share) for task, share in self.tasks.items()}
         _at_least("rollout.max_staleness", self.max_staleness, 0)
         _at_least("rollout.oversample", self.oversample, 1)
         _at_least("rollout.overlong_penalty", self.overlong_penalty, 0)
