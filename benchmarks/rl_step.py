@@ -5,6 +5,7 @@ Usage::
 
     python benchmarks/rl_step.py [--cycles 3 --pairs 5 --warmup 1 --threads 1 --precision auto
                                   --trl-generation generate|continuous_batching --no-fused]
+    python benchmarks/rl_step.py --async [...]   # asynchronous against synchronous xtl (benchmarks/rl_async.py)
 
 Method:
 
@@ -50,6 +51,7 @@ import dataclasses
 import io
 import json
 import statistics
+import sys
 import tempfile
 import time
 import warnings
@@ -559,7 +561,13 @@ def run_trl(cfg: BenchConfig) -> SideResult:
 
 
 def main() -> None:
-    """Parse arguments, prepare and check, run the pairs of child processes, print the comparison."""
+    """Parse arguments, prepare and check, run the pairs of child processes, print the comparison (``--async``:
+    asynchronous against synchronous xtl, :mod:`rl_async`)."""
+    if "--async" in sys.argv[1:]:
+        from rl_async import main as compare_async
+
+        compare_async([arg for arg in sys.argv[1:] if arg != "--async"])
+        return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_protocol_args(parser, pairs=5, warmup=1)
     parser.add_argument("--cycles", type=int, default=3, help="timed rollout batches per run (after one warm-up)")

@@ -159,6 +159,10 @@ def _check_feature_acts(cell: Cell, result: dict, plain: dict) -> None:
         assert {"train/ratio", "rollout/turns", "rollout/tool_calls", "rollout/malformed_calls"} <= set(
             result["logged"]
         )
+    elif name == "grpo_partial":  # as grpo; paused completions are accounted, and the trace says where it is
+        assert abs(float(result["losses"]["0"])) < 1e-6, result["losses"]
+        assert {"rollout/resumed", "rollout/partial_groups", "rollout/staleness_max"} <= set(result["logged"])
+        assert "xtl trace: rollout spans in" in result["stderr"], result["stderr"][-2000:]
     elif name == "grpo":  # step 0: every ratio 1, so the loss is minus the mean advantage, 0 in every group
         assert abs(float(result["losses"]["0"])) < 1e-6, result["losses"]
         assert {"train/ratio", "train/reward", "train/clip_ratio/region_mean", "rollout/samples"} <= set(

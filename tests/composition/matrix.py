@@ -265,6 +265,18 @@ FEATURES = (
         "rendered by the template, each turn one lockstep engine call of every unfinished trajectory",
     ),
     Feature(
+        "grpo_partial",
+        ("rollout_trace.yaml",),
+        "model:\n  class_path: xtl.rl.GRPOModule\n  init_args:\n"
+        "    judger: {class_path: xtl.rl.FormatJudger, init_args: {pattern: '(..)*'}}\n"
+        "    sampling: {group_size: 4, max_new_tokens: 6}\n"
+        "    rollout: {prompts_per_step: 2, partial_tokens: 3, max_resumes: 1}\n"
+        "data:\n  sources: [{path: tiny:sft_train.jsonl, kind: prompt}]\n",
+        "objective",
+        "GRPO with partial rollouts (3-token rounds of 6-token completions: unfinished groups continue in the next "
+        "batch) and the rollout trace (`callbacks/rollout_trace.yaml`: spans and the page)",
+    ),
+    Feature(
         "fused",
         (),
         "model:\n  init_args:\n    model_overrides: {fused_projections: true}\n",
@@ -344,6 +356,8 @@ REFUSED: dict[tuple[str, str, str], str] = {
     ("vlm", "grpo", "*"): "GRPOModule trains text models",
     ("vlm_moe", "grpo", "*"): "GRPOModule trains text models",
     ("vlm", "grpo_tools", "*"): "GRPOModule trains text models",
+    ("vlm", "grpo_partial", "*"): "GRPOModule trains text models",
+    ("vlm_moe", "grpo_partial", "*"): "GRPOModule trains text models",
     ("vlm_moe", "grpo_tools", "*"): "GRPOModule trains text models",
     **{
         ("*", "compile_model", strategy): "Compile scope: model compiles the whole forward on one device"

@@ -35,7 +35,7 @@ from enum import Enum
 from typing import Any
 
 from xtl.rl import trace
-from xtl.rl.agent.loop import AgentContext, AgentLoop
+from xtl.rl.agent.loop import AgentContext, AgentLoop, lockstep_generate
 from xtl.rl.agent.trajectory import Segment, Trajectory
 from xtl.rl.judger import BaseJudger, RolloutState
 from xtl.rl.rollout import RolloutEngine, SamplingSettings
@@ -109,7 +109,7 @@ class Group:
     Attributes:
         row: The prompt's row (``prompt``, ``answer``, ``data_source``, ``index``).
         samples: Its completions.
-        version: The policy version (optimizer steps done) that last sampled it.
+        version: The policy version (rollout batches trained) that last sampled it.
         started: The policy version that began it (``None``: ``version``; earlier when partial rollouts continued it).
     """
 
@@ -165,8 +165,8 @@ class ProduceStats:
         pause_seconds: How long production waited for the weights it samples with (asynchronous rollouts).
         resumed: Paused completions continued for this batch (partial rollouts).
         partial_groups: Groups left waiting with paused completions (partial rollouts).
-        staleness: Per trained sample, how many optimizer steps the weights that began it lag the policy it trains.
-        version: The optimizer step whose weights sampled this batch.
+        staleness: Per trained sample, how many versions the policy that began it lags the one it trains.
+        version: The policy version that sampled this batch.
         expired_groups: Leftover groups that expired while this batch was produced (for the trace).
     """
 
@@ -219,8 +219,8 @@ class ReplayBuffer:
     """Groups generated but not trained yet, and their ages.
 
     Args:
-        max_staleness: A leftover group trains only while at most this many optimizer steps older than the policy
-            (older ones expire).
+        max_staleness: A leftover group trains only while at most this many policy versions (rollout batches) older
+            than the policy (older ones expire).
     """
 
     def __init__(self, max_staleness: int = 1) -> None:
@@ -300,7 +300,7 @@ def produce_batch(
         judger: Scores them; a sample whose judging fails is ``failed``, not the batch.
         sampling: Group size and sampling settings.
         buffer: Leftover groups in, surplus groups out.
-        version: The optimizer step whose weights the engine samples with (recorded in each group).
+        version: The policy version (rollout batches trained) the engine samples with (recorded in each group).
         dynamic_sampling: Drop groups whose judged rewards are all equal (``filtered``) and draw more prompts.
         max_rounds: Generation rounds at most (with dynamic sampling, fewer groups than wanted may come back).
         reward_shaping: Adjusts the groups' rewards after judging (e.g. the overlong penalty), before filtering.
@@ -309,7 +309,7 @@ def produce_batch(
         agree: The most groups any data-parallel rank misses, given this rank's count (an all-reduce). Every rank then
             draws and generates the same number of prompts per round and runs the same rounds: prompt draws stay in
             step across ranks, and so do the forwards of decoding (sharded parameters need every rank in each).
-        train_step: The optimizer step the batch trains from (a group's age is counted against it; default
+        train_step: The policy version the batch trains (its index: a group's age is counted against it; default
             ``version``: the synchronous run, where the engine samples with the weights of that step).
         partial_tokens: Partial rollouts (single-turn loop): each engine call samples at most this many tokens of a
             completion; unfinished groups wait in the buffer and are continued first by the next batch (module
@@ -378,7 +378,7 @@ def _produce(
         if partial_tokens is None
         else replace(sampling, max_new_tokens=min(partial_tokens, sampling.max_new_tokens))
     )
-    if chunk is not None and buffer.partial:
+    if chunk is not None:  # every rank calls it (under sharded parameters, ranks without paused ones idle)
         resumed, buffer.partial = buffer.partial, []
         _continue(resumed, engine, chunk, sampling.max_new_tokens, context, version, max_resumes, stats, train_step)
         settle(resumed)
@@ -470,7 +470,9 @@ def _continue(
     began = time.perf_counter()
     prompts = [s.prompt_ids + s.response_ids for s in paused]
     with trace.current().span("engine.generate", "generate", [s.uid for s in paused], step, resumed=len(paused)):
-        rollouts = engine.generate(prompts, chunk, context.chat.stop_token_ids)
+        rollouts = lockstep_generate(engine, prompts, chunk, context)
+    if not paused:
+        return
     stats.generation_seconds.append(time.perf_counter() - began)
     stats.resumed += len(paused)
     stats.samples += len(paused)

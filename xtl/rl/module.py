@@ -15,10 +15,12 @@ reference's when ``objective.beta > 0``, for every update). Pending updates and 
 checkpoint, with the sampler's random state and the prompt order, so a resumed run takes exactly the steps the
 uninterrupted one would.
 
+A policy *version* is the weights after a number of rollout batches' updates; a group records the version that
+sampled it, and one more than ``rollout.max_staleness`` versions older than the batch it would train in expires.
 With ``rollout.asynchronous``, rollout batches are produced on a thread (:mod:`xtl.rl.producer`) by an engine that
-samples in other processes, while the trainer updates: batch ``n`` is sampled with the weights of
-``rollout.max_staleness`` optimizer steps before it trains, and each token's policy term is weighted by the truncated
-ratio of the trainer's log-probability to the engine's (the behavior policy's).
+samples in other processes, while the trainer updates: batch ``n`` is sampled with version ``n - max_staleness``,
+and each token's policy term is weighted by the truncated ratio of the trainer's log-probability to the engine's
+(the behavior policy's).
 """
 
 from __future__ import annotations
@@ -227,8 +229,6 @@ class GRPOModule(LanguageModule):
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         """One optimizer step on the next pending update (producing a rollout batch first when none is left)."""
-        if self._producer is not None and self._producer.needs(self.global_step, self._batches):
-            self._producer.publish(self.global_step, self.engine.snapshot(self.model))
         if not self._pending:
             self._produce()
         pending = self._pending.pop(0)
@@ -374,7 +374,7 @@ class GRPOModule(LanguageModule):
         self._agent_state = state.get("agent", {})
         self.agent.load_state_dict(self._agent_state)
         self._rollout_metrics = dict(state.get("rollout_metrics", {}))
-        self._batches = int(state.get("batches", 0))
+        self._batches = int(state.get("batches", checkpoint.get("global_step", 0) // self.updates.steps_per_batch))
         self._produced = [_produced_from(p) for p in state.get("produced", [])]
         self._producer_next = state.get("producer_next")
 
@@ -424,6 +424,8 @@ class GRPOModule(LanguageModule):
         rank = datamodule.data_parallel_rank()[0]
         sampling = replace(self.sampling, seed=self.sampling.seed + 1_000_003 * rank)
         if self._producer is not None:  # produced on the producer's thread, with the weights the schedule says
+            if self._producer.needs(self._batches):  # a version boundary: these weights sample a later batch
+                self._producer.publish(self._batches, self.engine.snapshot(self.model))
             produced = self._producer.take(self._batches)
             groups, stats = produced.groups, produced.stats
         else:
@@ -431,7 +433,7 @@ class GRPOModule(LanguageModule):
                 self.engine.sync_weights(self.model)
                 self._synced_step = self.global_step
             with self.parallelizer.whole_sequences(self.model):  # a context-parallel group decodes whole sequences
-                groups, stats = self._produce_groups(datamodule, sampling, self.global_step)
+                groups, stats = self._produce_groups(datamodule, sampling, self._batches)
         self._batches += 1
         samples, advantages = self._advantages(groups)
         self._rollout_metrics = self._metrics(stats, groups, samples)
@@ -452,8 +454,8 @@ class GRPOModule(LanguageModule):
     def _produce_groups(
         self, datamodule: Any, sampling: SamplingSettings, version: int, train_step: int | None = None
     ) -> tuple[list[Group], ProduceStats]:
-        """Draw prompts, sample their groups through the agent loop (with the weights of step ``version``), judge
-        and shape them (one rollout batch's groups, training from ``train_step``)."""
+        """Draw prompts, sample their groups through the agent loop (with the policy of version ``version``: the
+        weights after that many rollout batches), judge and shape them (the groups of rollout batch ``train_step``)."""
         rollout = self.rollout
         asynchronous = self._producer is not None  # on the producer's thread: no collective with the other ranks
         take = datamodule.take
@@ -494,13 +496,12 @@ class GRPOModule(LanguageModule):
         datamodule = self.trainer.datamodule
         rank = datamodule.data_parallel_rank()[0]
         sampling = replace(self.sampling, seed=self.sampling.seed + 1_000_003 * rank)
-        steps = self.updates.steps_per_batch
 
         def produce(index: int, version: int) -> tuple[list[Group], ProduceStats]:
-            return self._produce_groups(datamodule, sampling, version, index * steps)
+            return self._produce_groups(datamodule, sampling, version, index)
 
         start = self._producer_next if self._producer_next is not None else self._batches
-        self._producer = AsyncProducer(produce, self.engine.adopt, steps, self.rollout.max_staleness, start)
+        self._producer = AsyncProducer(produce, self.engine.adopt, self.rollout.max_staleness, start)
         self._producer.restore(self._produced)
         self._produced = []
 

@@ -4,12 +4,11 @@ The thread drives an engine that samples in other processes (Ray actors: :meth:`
 so generation overlaps the trainer's forwards and backwards; judging and the agent loop's bookkeeping run on the
 thread. What each batch samples with is fixed ahead, so a run does not depend on timing:
 
-- rollout batch ``n`` trains from optimizer step ``n * k`` (``k`` optimizer steps per batch);
-- it is sampled with the policy's weights after step ``version(n) = max(0, n * k - max_staleness)``: at most
-  ``max_staleness`` steps older than the policy it trains (``0``: the weights of its own first step, which is the
-  synchronous run);
-- the trainer publishes the weights of step ``s`` (:meth:`AsyncProducer.publish`) at the start of step ``s`` when
-  some batch is sampled with them; the thread waits for them (the wait is the batch's ``pause_seconds``).
+- a policy *version* is the weights after a number of rollout batches' updates: batch ``n`` trains version ``n``;
+- batch ``n`` is sampled with version ``max(0, n - max_staleness)``: at most ``max_staleness`` versions older than
+  the policy it trains (``0``: its own, which is the synchronous run);
+- the trainer publishes version ``v`` (:meth:`AsyncProducer.publish`) when it starts training batch ``v``, if some
+  batch is sampled with it; the thread waits for it (the wait is the batch's ``pause_seconds``).
 
 A checkpoint drains the thread first (:meth:`AsyncProducer.drain`: every batch whose weights are published is
 finished) and keeps the finished batches that have not trained yet, so a resumed run trains exactly what the
@@ -34,7 +33,7 @@ class Produced:
 
     Attributes:
         index: The batch's number (0, 1, ...).
-        version: The optimizer step whose weights sampled it.
+        version: The policy version that sampled it.
         groups: Its groups.
         stats: Its accounting.
     """
@@ -45,20 +44,19 @@ class Produced:
     stats: ProduceStats
 
 
-def sampling_version(index: int, steps_per_batch: int, max_staleness: int) -> int:
-    """The optimizer step whose weights sample rollout batch ``index`` (module docstring)."""
-    return max(0, index * steps_per_batch - max_staleness)
+def sampling_version(index: int, max_staleness: int) -> int:
+    """The policy version that samples rollout batch ``index`` (module docstring)."""
+    return max(0, index - max_staleness)
 
 
 class AsyncProducer:
     """Produces rollout batches on a thread, each with the weights the schedule assigns it (module docstring).
 
     Args:
-        produce: Produces batch ``index`` once the engine samples with the weights of step ``version``:
+        produce: Produces batch ``index`` once the engine samples with policy version ``version``:
             ``produce(index, version) -> (groups, stats)``.
         adopt: Makes the engine sample with published weights (called on the thread, before ``produce``).
-        steps_per_batch: Optimizer steps each batch trains (``k``).
-        max_staleness: How many steps the sampling weights may lag the policy.
+        max_staleness: How many versions the sampling weights may lag the policy.
         start: The first batch to produce (a resumed run's next one).
     """
 
@@ -66,11 +64,9 @@ class AsyncProducer:
         self,
         produce: Callable[[int, int], tuple[list[Group], ProduceStats]],
         adopt: Callable[[Any], None],
-        steps_per_batch: int,
         max_staleness: int,
         start: int = 0,
     ) -> None:
-        self.steps_per_batch = steps_per_batch
         self.max_staleness = max_staleness
         self._produce = produce
         self._adopt = adopt
@@ -85,21 +81,21 @@ class AsyncProducer:
         self._thread = threading.Thread(target=self._run, name="xtl-rollout-producer", daemon=True)
         self._thread.start()
 
-    def needs(self, step: int, consumed: int) -> bool:
-        """Whether some batch not produced yet (from ``consumed`` on) is sampled with the weights of ``step``."""
-        first = max(consumed, self._next)
-        last = first + self.max_staleness // max(self.steps_per_batch, 1) + 2
-        versions = {self.version(i) for i in range(first, last)}
-        return step in versions and step not in self._weights
+    def needs(self, version: int) -> bool:
+        """Whether a batch not produced yet is sampled with policy version ``version`` (not published yet)."""
+        with self._cond:
+            first = self._next + (1 if self._busy else 0)
+            wanted = {self.version(i) for i in range(first, first + self.max_staleness + 2)}
+            return version in wanted and version not in self._weights
 
     def version(self, index: int) -> int:
-        """The step whose weights sample batch ``index``."""
-        return sampling_version(index, self.steps_per_batch, self.max_staleness)
+        """The policy version that samples batch ``index``."""
+        return sampling_version(index, self.max_staleness)
 
-    def publish(self, step: int, weights: Any) -> None:
-        """Hand the thread the weights after optimizer step ``step`` (a snapshot the engine adopts)."""
+    def publish(self, version: int, weights: Any) -> None:
+        """Hand the thread policy version ``version`` (a snapshot of its weights the engine adopts)."""
         with self._cond:
-            self._weights[step] = weights
+            self._weights[version] = weights
             self._cond.notify_all()
 
     def take(self, index: int) -> Produced:
@@ -170,8 +166,7 @@ class AsyncProducer:
                     weights = self._weights[version]
                     self._busy = True
                 waited = time.perf_counter() - began
-                trace.current().event("producer.pause", "pause", step=index * self.steps_per_batch, seconds=waited,
-                                      version=version)  # fmt: skip
+                trace.current().event("producer.pause", "pause", step=index, seconds=waited, version=version)
                 if self._adopted != version:
                     self._adopt(weights)
                     self._adopted = version

@@ -46,10 +46,10 @@ class RolloutSettings:
         max_rounds: Generation rounds per rollout batch at most.
         oversample: Each round draws this many times the missing prompts (above 1 with dynamic sampling, so one round
             usually brings enough groups; the surplus waits in the replay buffer for the next batch).
-        max_staleness: A group trains while at most this many optimizer steps older than the policy (leftover groups
-            older than that expire). With ``asynchronous``, also how far ahead rollouts are produced: each rollout
-            batch is sampled with the weights of ``max_staleness`` steps before it trains (``0``: the synchronous
-            run).
+        max_staleness: A group trains while at most this many policy versions older than the policy it trains (a
+            version: the weights after a rollout batch's updates; leftover groups older than that expire). With
+            ``asynchronous``, also how far ahead rollouts are produced: rollout batch ``n`` is sampled with version
+            ``n - max_staleness`` (``0``: its own, the synchronous run).
         asynchronous: Produce rollout batches on a separate worker while the trainer updates (an engine that samples
             in other processes: ``engine.name: ray``); see :mod:`xtl.rl.producer`.
         partial_tokens: Partial rollouts (single-turn): an engine call samples at most this many tokens of a
