@@ -24,8 +24,10 @@ def policy(tmp_path_factory: pytest.TempPathFactory) -> str:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     path = tmp_path_factory.mktemp("policy")
-    config = Qwen3Config(vocab_size=1600, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, head_dim=16, tie_word_embeddings=True)  # fmt: skip
+    config = Qwen3Config(
+        vocab_size=1600, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, tie_word_embeddings=True,
+    )  # fmt: skip
     torch.manual_seed(0)
     Qwen3ForCausalLM(config).save_pretrained(path)
     return str(path)
