@@ -4,9 +4,16 @@ exactly. Partial rollouts pause and continue completions; several tasks share ea
 
 from __future__ import annotations
 
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import ray
 import torch
+from lightning.pytorch.strategies import SingleDeviceStrategy
 
 from tests.rl.test_module import ARITHMETIC, MODEL, _fit, _module, varied_reward
 from tests.train.test_base import StopAt
@@ -15,6 +22,8 @@ from xtl.errors import ConfigError
 from xtl.model import MODEL_TYPES
 from xtl.rl import ComposedJudger, EngineSettings, FunctionJudger, RolloutSettings
 from xtl.rl.tasks import TaskMix
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +53,33 @@ def _async(hf_policy: str, staleness: int, asynchronous: bool = True, **rollout)
                    model=hf_policy)  # fmt: skip
 
 
+def _cli_fit(work: Path, policy: str, *extra: str) -> dict[int, dict[str, float]]:
+    """``xtl fit`` (2 FSDP ranks, asynchronous, a reward that varies between completions) in ``work``; the rows of
+    rank 0's log by step."""
+    work.mkdir(parents=True)
+    (work / "override.yaml").write_text(
+        "trainer:\n  devices: 2\n  precision: 32-true\n  max_steps: 6\n  val_check_interval: null\n"
+        "  limit_val_batches: 0\n  enable_progress_bar: false\n  callbacks: []\n  strategy:\n"
+        "    class_path: xtl.strategies.FSDPStrategy\n    init_args:\n      process_group_backend: gloo\n"
+        f"model:\n  init_args:\n    model: {policy}\n"
+        "    judger: {class_path: xtl.rl.FunctionJudger, init_args: {fn: 'tests.rl.test_module:varied_reward'}}\n"
+        "    sampling: {group_size: 2, max_new_tokens: 6}\n"
+        "    rollout: {prompts_per_step: 3, asynchronous: true, max_staleness: 1, oversample: 1.0, max_rounds: 3}\n"
+        "    engine: {name: ray, ray: {num_actors: 1, actor_options: {num_cpus: 0}}}\n"
+    )
+    args = [sys.executable, "-m", "xtl", "fit", "--config", str(ROOT / "configs" / "tiny_grpo.yaml")]
+    args += ["--config", str(work / "override.yaml"), *extra]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(args, cwd=work, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    rows: dict[int, dict[str, float]] = {}
+    for metrics in sorted(work.glob("runs/*/logs/version_*/metrics.csv")):
+        for row in csv.DictReader(metrics.open()):
+            if row.get("train/loss"):
+                rows[int(row["step"])] = {k: float(v) for k, v in row.items() if v}
+    return rows
+
+
 def _weights(trainer) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in trainer.lightning_module.state_dict().items()}
 
@@ -71,10 +107,16 @@ class TestStaleness:
         assert done[3]["train/reward"] != sync[3]["train/reward"] or done[3]["train/loss"] != sync[3]["train/loss"]
         assert trainer.lightning_module._producer is None, "stopped at the end of fit"
 
-    def test_a_stopped_run_resumes_with_the_losses_of_the_uninterrupted_one(self, local_ray, hf_policy, tmp_path):
-        """Stopped after step 3 (mid-batch, the next batch produced ahead): steps 4-6 equal, bit for bit."""
+    @pytest.mark.parametrize("after_setup", [False, True], ids=["restore_first", "restore_after_setup"])
+    def test_a_stopped_run_resumes_with_the_losses_of_the_uninterrupted_one(
+        self, local_ray, hf_policy, tmp_path, monkeypatch, after_setup
+    ) -> None:
+        """Stopped after step 3 (mid-batch, the next batch produced ahead): steps 4-6 equal, bit for bit. Sharded
+        strategies restore the checkpoint after ``on_fit_start`` (``restore_after_setup``): the producer must start
+        from the restored state, not from batch 0."""
         whole, _ = _fit(_async(hf_policy, 1), 6, tmp_path / "a")
         first, trainer = _fit(_async(hf_policy, 1), 6, tmp_path / "b", [StopAt(3)], every=3)
+        monkeypatch.setattr(SingleDeviceStrategy, "restore_checkpoint_after_setup", property(lambda _: after_setup))
         resumed, _ = _fit(
             _async(hf_policy, 1), 6, tmp_path / "b", ckpt_path=str(tmp_path / "b" / "ckpt" / "last.ckpt")
         )
@@ -82,6 +124,22 @@ class TestStaleness:
         for step in (4, 5, 6):
             for key in ("train/loss", "train/reward", "rollout/version"):
                 assert resumed[step][key] == whole[step][key], (step, key)
+
+
+@pytest.mark.distributed
+class TestShardedResume:
+    def test_two_fsdp_ranks_resume_with_the_losses_of_the_uninterrupted_run(self, hf_policy, tmp_path) -> None:
+        """``xtl fit`` of the tiny GRPO recipe on 2 FSDP ranks (each with its own Ray actor), ``max_staleness: 1``:
+        6 steps with checkpoints every 2; resumed from step 2 (a produced batch in the checkpoint, the next one
+        produced after the restart), steps 2-5 equal. The ranks do not agree on dynamic sampling's rounds, so each
+        draws its own number of prompts: each rank's draws are in the checkpoint, not only rank 0's."""
+        full = _cli_fit(tmp_path / "full", hf_policy, "--trainer.callbacks+=ModelCheckpoint",
+                        "--trainer.callbacks.dirpath=ckpt", "--trainer.callbacks.every_n_train_steps=2",
+                        "--trainer.callbacks.save_top_k=-1")  # fmt: skip
+        (ckpt,) = (tmp_path / "full" / "runs").glob("*/ckpt/*step=2.ckpt")
+        resumed = _cli_fit(tmp_path / "resumed", hf_policy, "--ckpt_path", str(ckpt))
+        assert [full[s]["rollout/staleness_max"] for s in (3, 5)] == [1.0, 1.0]
+        assert [resumed[s]["train/loss"] for s in range(2, 6)] == [full[s]["train/loss"] for s in range(2, 6)]
 
 
 class TestRefusals:

@@ -26,6 +26,7 @@ and each token's policy term is weighted by the truncated ratio of the trainer's
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -167,6 +168,7 @@ class GRPOModule(LanguageModule):
         self._batches = 0  # rollout batches taken for training
         self._produced: list[Produced] = []  # produced before a checkpoint, not trained yet (asynchronous)
         self._producer_next: int | None = None
+        self._agent_lock = threading.Lock()  # the producer's thread and validation share the agent loop
         self._tasks = TaskMix(rollout.tasks) if rollout.tasks else None
 
     # ---- model -----------------------------------------------------------------------------------------------
@@ -207,8 +209,11 @@ class GRPOModule(LanguageModule):
             self.engine.load_state_dict(self._engine_state)
         if self._agent_state:
             self.agent.load_state_dict(self._agent_state)
-        if self.rollout.asynchronous:
-            self._start_producer()
+        if self.rollout.asynchronous and not isinstance(self.engine, DetachedEngine):
+            raise ConfigError(
+                "model.init_args.rollout.asynchronous needs an engine that samples in other processes "
+                f"(engine.name: ray); {type(self.engine).__name__} samples with the policy itself"
+            )
         objective = self.objective
         rank_zero_info(
             f"xtl rl: {objective.loss_type} ({objective.importance_sampling}-level ratio, clip "
@@ -217,7 +222,7 @@ class GRPOModule(LanguageModule):
             f"{self.sampling.group_size} completions per rank and rollout batch ({self.agent.describe()}), "
             f"{self.updates.steps_per_batch} optimizer step(s) each"
             + (f"; produced asynchronously, at most {self.rollout.max_staleness} step(s) stale"
-               if self._producer is not None else "")
+               if self.rollout.asynchronous else "")
         )  # fmt: skip
 
     def on_fit_end(self) -> None:
@@ -294,7 +299,7 @@ class GRPOModule(LanguageModule):
             env_rewards: list[float | None] = [None] * len(batch)
         else:  # the agent loop, greedily: held-out accuracy with the tools or environment the policy trains with
             sampling = replace(self.sampling, max_new_tokens=self.eval_max_new_tokens)
-            with self.parallelizer.whole_sequences(self.model):
+            with self._agent_lock, self.parallelizer.whole_sequences(self.model):  # not while the producer uses it
                 trajectories = self.agent.rollout(batch, GreedyEngine(self.model, group), sampling, self._context())
             answers = [t.response for t in trajectories]
             env_rewards = [t.reward for t in trajectories]
@@ -341,6 +346,7 @@ class GRPOModule(LanguageModule):
             "judger": self.judger.state_dict(),
             "agent": self.agent.state_dict(),
             "rollout_metrics": dict(self._rollout_metrics),
+            "data": self._data_state(),  # a producer's ranks draw prompts apart: each its own count
         }
         group = self.parallelizer.data_group()  # every rank (context-parallel ones each hold their own state)
         ranks = [state]
@@ -377,6 +383,9 @@ class GRPOModule(LanguageModule):
         self._batches = int(state.get("batches", checkpoint.get("global_step", 0) // self.updates.steps_per_batch))
         self._produced = [_produced_from(p) for p in state.get("produced", [])]
         self._producer_next = state.get("producer_next")
+        data = checkpoint.get(type(self.trainer.datamodule).__qualname__) if self._trainer is not None else None
+        if isinstance(data, dict) and state.get("data"):  # Lightning restores the data module after this hook
+            data.update(state["data"])
 
     # ---- private ---------------------------------------------------------------------------------------------
 
@@ -423,7 +432,9 @@ class GRPOModule(LanguageModule):
         datamodule = self.trainer.datamodule
         rank = datamodule.data_parallel_rank()[0]
         sampling = replace(self.sampling, seed=self.sampling.seed + 1_000_003 * rank)
-        if self._producer is not None:  # produced on the producer's thread, with the weights the schedule says
+        if self.rollout.asynchronous:  # produced on the producer's thread, with the weights the schedule says
+            if self._producer is None:  # started here: a sharded run restores its checkpoint after on_fit_start
+                self._start_producer()
             if self._producer.needs(self._batches):  # a version boundary: these weights sample a later batch
                 self._producer.publish(self._batches, self.engine.snapshot(self.model))
             produced = self._producer.take(self._batches)
@@ -457,7 +468,7 @@ class GRPOModule(LanguageModule):
         """Draw prompts, sample their groups through the agent loop (with the policy of version ``version``: the
         weights after that many rollout batches), judge and shape them (the groups of rollout batch ``train_step``)."""
         rollout = self.rollout
-        asynchronous = self._producer is not None  # on the producer's thread: no collective with the other ranks
+        asynchronous = self.rollout.asynchronous  # on the producer's thread: no collective with the other ranks
         take = datamodule.take
         if self._tasks is not None:
             mix = self._tasks
@@ -488,17 +499,13 @@ class GRPOModule(LanguageModule):
     def _start_producer(self) -> None:
         """Start the thread that produces rollout batches (``rollout.asynchronous``), with the batches a checkpoint
         kept."""
-        if not isinstance(self.engine, DetachedEngine):
-            raise ConfigError(
-                "model.init_args.rollout.asynchronous needs an engine that samples in other processes "
-                f"(engine.name: ray); {type(self.engine).__name__} samples with the policy itself"
-            )
         datamodule = self.trainer.datamodule
         rank = datamodule.data_parallel_rank()[0]
         sampling = replace(self.sampling, seed=self.sampling.seed + 1_000_003 * rank)
 
         def produce(index: int, version: int) -> tuple[list[Group], ProduceStats]:
-            return self._produce_groups(datamodule, sampling, version, index)
+            with self._agent_lock:  # the agent loop (an endpoint, environments) serves one caller at a time
+                return self._produce_groups(datamodule, sampling, version, index)
 
         start = self._producer_next if self._producer_next is not None else self._batches
         self._producer = AsyncProducer(produce, self.engine.adopt, self.rollout.max_staleness, start)
@@ -517,6 +524,15 @@ class GRPOModule(LanguageModule):
         state = checkpoint.get(type(datamodule).__qualname__)
         if isinstance(state, dict):
             state.update(datamodule.state_dict())
+
+    def _data_state(self) -> dict[str, Any]:
+        """This rank's prompt draws (the checkpoint's data module state is rank 0's, and the ranks of an
+        asynchronous run draw different numbers of prompts: they do not agree on dynamic sampling's rounds)."""
+        datamodule = self.trainer.datamodule if self._trainer is not None else None
+        if datamodule is None or not hasattr(datamodule, "state_dict"):
+            return {}
+        keys = ("consumed_prompts", "task_consumed_prompts")
+        return {k: v for k, v in datamodule.state_dict().items() if k in keys}
 
     def _most_over_data_ranks(self, count: int) -> int:
         """The largest ``count`` over the data-parallel ranks (``count`` itself on one rank)."""

@@ -102,7 +102,8 @@ class AsyncProducer:
         """Batch ``index``, waiting for it.
 
         Raises:
-            RuntimeError: The thread failed (its error is the cause) or was stopped.
+            RuntimeError: The thread failed (its error is the cause), was stopped, or waits for weights that were
+                not published (the two would wait for each other).
         """
         with self._cond:
             while index not in self._done:
@@ -111,6 +112,11 @@ class AsyncProducer:
                     raise RuntimeError("the rollout producer was stopped")
                 if self._next > index:
                     raise RuntimeError(f"rollout batch {index} was taken already")
+                if not self._busy and self.version(self._next) not in self._weights:  # both would wait forever
+                    raise RuntimeError(
+                        f"rollout batch {index} waits for batch {self._next}, whose policy version "
+                        f"{self.version(self._next)} was not published"
+                    )
                 self._cond.wait(timeout=1.0)
             return self._done.pop(index)
 
