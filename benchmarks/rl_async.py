@@ -12,10 +12,11 @@ Method:
    batch, the math judger) from the tiny SFT model's HF export (``--policy``; make it with ``xtl fit --config
    configs/tiny_sft.yaml --config callbacks/hf_export.yaml --trainer.default_root_dir runs/tiny_sft_export``).
 2. Sides, on the same two cores:
-   - *sync*: the default run: the local engine samples with the policy in the trainer's process, 2 threads;
-   - *async*: ``rollout.asynchronous: true``, ``max_staleness: 1``, ``engine.name: ray`` with one actor (1 thread,
-     its own copy of the weights) and the trainer with 1 thread: the next rollout batch is sampled while the current
-     one trains.
+   - *sync*: the default run: the local engine samples with the policy in the trainer's process, with
+     ``--sync-threads`` threads (default 2: both cores, its fastest setting here);
+   - *async*: ``rollout.asynchronous: true``, ``max_staleness: 1``, ``engine.name: ray`` with ``--actors`` actors
+     (``--actor-threads`` threads each, default 1; their own copy of the weights) and the trainer with 1 thread: the
+     next rollout batch is sampled while the current one trains.
 3. Throughput: each run trains ``--steps`` optimizer steps without validation; samples/s is the samples generated for
    the rollout batches after the first (warm-up: start-up, the actor's first weights) over their wall time, from the
    end of the first batch to the end of the run. Protocol (``benchmarks/_paired.py``): each run in a fresh spawned
@@ -48,11 +49,15 @@ ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "configs" / "tiny_grpo.yaml"
 DEFAULT_POLICY = ROOT / "runs" / "tiny_sft_export" / "hf" / "final"
 TARGET = 1.5
-SIDES = {
-    "sync": {"engine": "local", "asynchronous": False, "trainer threads": 2, "actor threads": 0},
-    "async": {"engine": "ray (1 actor)", "asynchronous": True, "max_staleness": 1, "trainer threads": 1,
-              "actor threads": 1},
-}  # fmt: skip
+
+
+def side_configs(actors: int, sync_threads: int, actor_threads: int = 1) -> dict[str, dict[str, Any]]:
+    """What each side runs (printed with the results)."""
+    return {
+        "sync": {"engine": "local", "asynchronous": False, "trainer threads": sync_threads},
+        "async": {"engine": f"ray ({actors} actor(s), {actor_threads} thread(s) each)", "asynchronous": True,
+                  "max_staleness": 1, "trainer threads": 1, "actors": actors, "actor threads": actor_threads},
+    }  # fmt: skip
 
 
 @dataclass
@@ -65,6 +70,9 @@ class RunConfig:
     steps: int
     precision: str
     val_every: int | None = None
+    actors: int = 1
+    sync_threads: int = 2
+    actor_threads: int = 1
     overrides: list[str] = field(default_factory=list)  # more ``xtl fit`` arguments (tests shrink the recipe)
 
 
@@ -89,7 +97,8 @@ class RunResult:
 
 def run_side(cfg: RunConfig) -> RunResult:
     """``xtl fit`` of the recipe on one side, timed per rollout batch."""
-    threads = SIDES[cfg.side]["trainer threads"]
+    side = side_configs(cfg.actors, cfg.sync_threads, cfg.actor_threads)[cfg.side]
+    threads = side["trainer threads"]
     child_setup(threads, uses_datasets=False)
     import lightning.pytorch as pl
 
@@ -125,11 +134,12 @@ def run_side(cfg: RunConfig) -> RunResult:
         args.append(f"--trainer.val_check_interval={cfg.val_every}")
     else:
         args.append("--trainer.limit_val_batches=0")
-    if SIDES[cfg.side]["asynchronous"]:
+    if side["asynchronous"]:
         args += [
             "--model.init_args.rollout.asynchronous=true", "--model.init_args.rollout.max_staleness=1",
             "--model.init_args.engine.name=ray",
-            '--model.init_args.engine.ray={"num_actors": 1, "actor_options": {"num_cpus": 1}}',
+            f'--model.init_args.engine.ray={{"num_actors": {cfg.actors}, "num_threads": {cfg.actor_threads}, '
+            '"actor_options": {"num_cpus": 0}}',
         ]  # fmt: skip
     with contextlib.redirect_stdout(io.StringIO()):
         cli = XTLCLI(args=[*args, *cfg.overrides], run=False)
@@ -138,7 +148,7 @@ def run_side(cfg: RunConfig) -> RunResult:
     if len(result.batch_ends) > 1:
         timed = result.batch_ends[-1] - result.batch_ends[0]
         result.samples_per_s = sum(result.samples[1:]) / timed
-    if SIDES[cfg.side]["asynchronous"]:
+    if side["asynchronous"]:
         import ray
 
         ray.shutdown()
@@ -156,6 +166,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--val-every", type=int, default=100, help="held-out validation interval (accuracy runs)")
     parser.add_argument("--no-full", action="store_true", help="skip the accuracy runs")
     parser.add_argument("--precision", default="auto", choices=["auto", "bf16-mixed", "32-true"])
+    parser.add_argument("--actors", type=int, default=1, help="Ray actors sampling for the async side")
+    parser.add_argument("--actor-threads", type=int, default=1, help="threads of each Ray actor (async side)")
+    parser.add_argument("--sync-threads", type=int, default=2, help="threads of the sync side (default: both cores)")
     args = parser.parse_args(argv)
     if not (Path(args.policy) / "config.json").is_file():
         raise SystemExit(
@@ -165,12 +178,16 @@ def main(argv: list[str] | None = None) -> None:
     pin_threads(1)
     precision = args.precision if args.precision != "auto" else ("bf16-mixed" if cpu_has_bf16() else "32-true")
     print(f"load average before: {load_average()}")
-    print_configs(**{name: {**side, "recipe": RECIPE.name, "precision": precision} for name, side in SIDES.items()})
+    sides = side_configs(args.actors, args.sync_threads, args.actor_threads)
+    print_configs(**{name: {**side, "recipe": RECIPE.name, "precision": precision} for name, side in sides.items()})
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="xtl-rl-async-") as tmp:
 
         def side(name: str, steps: int, val_every: int | None = None) -> RunResult:
-            return in_child(run_side, RunConfig(name, args.policy, tmp, steps, precision, val_every))
+            config = RunConfig(
+                name, args.policy, tmp, steps, precision, val_every, args.actors, args.sync_threads, args.actor_threads
+            )
+            return in_child(run_side, config)
 
         def on_pair(i: int, a: float, b: float) -> None:
             print(f"pair {i + 1}: async {a:.1f} samples/s, sync {b:.1f} samples/s, ratio {a / b:.3f}", flush=True)

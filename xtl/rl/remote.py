@@ -90,6 +90,7 @@ class RayRolloutEngine(DetachedEngine):
         actor_options: Ray actor options (``num_cpus``, ``num_gpus``, ``resources``, ...).
         address: The Ray cluster to join (``None``: the running one, or a local one).
         device: Where each actor runs its copy (``cpu``, ``cuda``).
+        num_threads: Torch threads of each actor (intra-op parallelism of its sampler on the CPU).
     """
 
     def __init__(
@@ -99,13 +100,16 @@ class RayRolloutEngine(DetachedEngine):
         actor_options: dict[str, Any] | None = None,
         address: str | None = None,
         device: str = "cpu",
+        num_threads: int = 1,
     ) -> None:
         if num_actors < 1:
             raise ValueError(f"num_actors must be >= 1, got {num_actors}")
+        if num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {num_threads}")
         ray = _ray(address)
         actor = ray.remote(_SamplerActor).options(**dict(actor_options or {"num_cpus": 1}))
         self._ray = ray
-        self.actors = [actor.remote(str(model_path), device) for _ in range(num_actors)]
+        self.actors = [actor.remote(str(model_path), device, num_threads) for _ in range(num_actors)]
 
     def generate(
         self, prompts: Sequence[Sequence[int]], sampling: SamplingSettings, stop_token_ids: Sequence[int] = ()
@@ -159,10 +163,10 @@ class _JudgerActor:
 
 
 class _SamplerActor:
-    def __init__(self, model_path: str, device: str) -> None:
+    def __init__(self, model_path: str, device: str, num_threads: int) -> None:
         from xtl.train.model_spec import resolve_model_config
 
-        torch.set_num_threads(1)
+        torch.set_num_threads(num_threads)
         config, hf_dir = resolve_model_config(model_path, None)
         with torch.device("meta"):
             model = config.build()
