@@ -99,3 +99,11 @@ class TestGRPOOnRay:
         assert type(module.engine).__name__ == "RayRolloutEngine"
         assert trainer.callback_metrics["rollout/samples"].item() == 8
         assert torch.isfinite(trainer.callback_metrics["train/loss"])
+
+    def test_actors_run_with_the_threads_asked_for(self, local_ray, tmp_path) -> None:
+        _model().save_hf(tmp_path)
+        engine = RayRolloutEngine(str(tmp_path), num_actors=1, num_threads=2, actor_options={"num_cpus": 0})
+        threads = ray.get(engine.actors[0].__ray_call__.remote(lambda actor: torch.get_num_threads()))
+        assert threads == 2
+        with pytest.raises(ValueError, match="num_threads"):
+            RayRolloutEngine(str(tmp_path), num_threads=0)
