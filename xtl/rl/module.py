@@ -529,7 +529,7 @@ class GRPOModule(LanguageModule):
         """This rank's prompt draws (the checkpoint's data module state is rank 0's, and the ranks of an
         asynchronous run draw different numbers of prompts: they do not agree on dynamic sampling's rounds)."""
         datamodule = self.trainer.datamodule if self._trainer is not None else None
-        if datamodule is None or not hasattr(datamodule, "state_dict"):
+        if datamodule is None:
             return {}
         keys = ("consumed_prompts", "task_consumed_prompts")
         return {k: v for k, v in datamodule.state_dict().items() if k in keys}
