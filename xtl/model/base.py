@@ -20,14 +20,16 @@ from xtl.module.moe_block import MoEBlock
 from xtl.module.norm import RMSNorm
 from xtl.module.traits import AdapterModule, FusesProjections, KeepsFp32, SelfInitializing
 
+SCORE_PREFIX = "score."  # transformers' sequence-classification head
+
 
 class BaseModel(nn.Module, ABC):
     """Checkpoint I/O, initialization and sharding shared by all model families.
 
     Subclasses implement :meth:`forward`, :meth:`decoder_layers` and :meth:`text_model` (abstract: a family that
     lacks one cannot be built) and may override :meth:`to_hf_key_list`, :meth:`hf_to_param` and
-    :meth:`param_to_hf` (tensor-layout hooks for HF tensors that differ by more than a name) and
-    :meth:`ignorable_hf_key`.
+    :meth:`param_to_hf` (tensor-layout hooks for HF tensors that differ by more than a name),
+    :meth:`ignorable_hf_key` and :meth:`initializable_hf_key`.
 
     Attributes:
         config: The model's config.
@@ -48,7 +50,12 @@ class BaseModel(nn.Module, ABC):
     # ---- HF key mapping -------------------------------------------------------------------------------------
 
     def to_hf_key_list(self, key: str) -> list[str]:
-        """HF safetensors keys of the xtl parameter ``key`` (1 -> 1, or 1 -> N for fused parameters)."""
+        """HF safetensors keys of the xtl parameter ``key`` (1 -> 1, or 1 -> N for fused parameters).
+
+        The head of a sequence-classification model (``config.num_labels``) is transformers' ``score``.
+        """
+        if key.startswith("lm_head.") and self.config.num_labels:
+            return [key.replace("lm_head.", SCORE_PREFIX, 1)]
         if self.config.tie_word_embeddings and key.startswith("lm_head."):
             key = key.replace("lm_head.", "embed_tokens.")
         return [key if key.startswith("lm_head.") else f"model.{key}"]
@@ -181,8 +188,14 @@ class BaseModel(nn.Module, ABC):
 
     def ignorable_hf_key(self, key: str) -> bool:
         """Whether the checkpoint key ``key``, which no parameter of the model reads, may be left unread (rotary
-        buffers, a tied head's own copy)."""
-        return key.endswith("rotary_emb.inv_freq") or (self.config.tie_word_embeddings and key == "lm_head.weight")
+        buffers, a tied head's own copy, a causal LM's head under a sequence-classification model's ``score``)."""
+        head = key == "lm_head.weight" and (self.config.tie_word_embeddings or bool(self.config.num_labels))
+        return key.endswith("rotary_emb.inv_freq") or head
+
+    def initializable_hf_key(self, key: str) -> bool:
+        """Whether the checkpoint key ``key``, which the model reads, may be absent, its tensor then initialized:
+        a sequence-classification head (``score``) on a causal LM's checkpoint (a new head on a pretrained body)."""
+        return bool(self.config.num_labels) and key.startswith(SCORE_PREFIX)
 
     # ---- saving ---------------------------------------------------------------------------------------------
 

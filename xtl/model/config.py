@@ -17,7 +17,10 @@ if TYPE_CHECKING:
     from xtl.model.base import BaseModel
 
 # Config fields that are xtl's own: never read from or written to a transformers config by name.
-_XTL_ONLY_FIELDS = {"rope", "attn_impl", "hf_key_mapping", "fused_projections"}
+_XTL_ONLY_FIELDS = {"rope", "attn_impl", "hf_key_mapping", "fused_projections", "num_labels"}
+# transformers' names a causal-LM class and its sequence-classification sibling end with
+CAUSAL_LM_SUFFIX = "ForCausalLM"
+SEQUENCE_CLASSIFICATION_SUFFIX = "ForSequenceClassification"
 
 
 @dataclass
@@ -35,6 +38,10 @@ class TransformerConfig:
             of each gated MLP (dense layers and shared experts), with weights concatenated at load and split again
             on save (the HF checkpoint keeps the separate projections). Under the HF-parity switch each part is still
             its own matmul, bitwise equal to transformers; Muon orthogonalizes each part on its own.
+        num_labels: Outputs of a sequence-classification head in place of the LM head (transformers'
+            ``*ForSequenceClassification``: ``score``, read at a sequence's last token; 1 for a reward model); 0, the
+            default, is the causal LM with its vocabulary head. Read from and written to a transformers config only
+            with a ``*ForSequenceClassification`` architecture (transformers gives every config a ``num_labels``).
     """
 
     hf_config_class: ClassVar[type[PretrainedConfig]]
@@ -65,6 +72,7 @@ class TransformerConfig:
     attn_impl: str = "auto"
     hf_key_mapping: dict[str, str] = field(default_factory=dict)
     fused_projections: bool = False
+    num_labels: int = 0
 
     def __post_init__(self) -> None:
         if self.num_key_value_heads is None:
@@ -78,6 +86,11 @@ class TransformerConfig:
     def model_type(self) -> str:
         """transformers' ``model_type`` of this family."""
         return self.hf_config_class.model_type
+
+    @property
+    def sequence_classification_architecture(self) -> str:
+        """transformers' ``*ForSequenceClassification`` class of this family (its causal-LM class's sibling)."""
+        return self.hf_architecture.removesuffix(CAUSAL_LM_SUFFIX) + SEQUENCE_CLASSIFICATION_SUFFIX
 
     @property
     def resolved_head_dim(self) -> int:
@@ -119,6 +132,9 @@ class TransformerConfig:
             if f.name not in _XTL_ONLY_FIELDS and hasattr(hf_config, f.name):
                 kwargs[f.name] = getattr(hf_config, f.name)
         kwargs["rope"] = RopeConfig.from_hf_config(hf_config)
+        architectures = hf_config.architectures or []
+        if any(name.endswith(SEQUENCE_CLASSIFICATION_SUFFIX) for name in architectures):
+            kwargs["num_labels"] = hf_config.num_labels
         return cls(**kwargs)
 
     @property
@@ -133,6 +149,9 @@ class TransformerConfig:
         kwargs["rope_parameters"] = self.rope.to_hf()
         config = self.hf_config_class(**kwargs)
         config.architectures = [self.hf_architecture]
+        if self.num_labels:
+            config.architectures = [self.sequence_classification_architecture]
+            config.num_labels = self.num_labels
         if self.dtype is not None:
             config.dtype = self.dtype
         return config

@@ -93,6 +93,7 @@ class LanguageModule(pl.LightningModule, ContextParallelFeature, DataConsumer):
     """
 
     trains_mtp: ClassVar[bool] = True  # the objective trains multi-token-prediction depths (next-token training)
+    scores_sequences: ClassVar[bool] = False  # the objective trains a sequence-classification head (num_labels)
 
     def __init__(
         self,
@@ -118,6 +119,13 @@ class LanguageModule(pl.LightningModule, ContextParallelFeature, DataConsumer):
             raise ConfigError(
                 f"mtp_layers: {type(self).__name__} does not train multi-token prediction (a next-token objective "
                 "of LanguageModule); set mtp_layers to 0"
+            )
+        labels = self.model_config.language_config.num_labels
+        if labels and not self.scores_sequences:
+            raise ConfigError(
+                f"model.init_args.model: a sequence-classification model (num_labels {labels}, "
+                f"a score head instead of the LM head) does not train with {type(self).__name__}; train it with "
+                "xtl.train.RewardModule, or start from a causal LM"
             )
         self.freeze = list(freeze or [])
         self._check_freeze()

@@ -51,6 +51,9 @@ class ExtraHeadInputs:
 class Dense(TextModel):
     """Embedding, ``num_hidden_layers`` decoder layers, final norm (``config.norm_class``), LM head (tied or not).
 
+    With ``config.num_labels`` the head is a sequence-classification head of that many outputs (transformers'
+    ``score``, never tied): the "logits" of a position are its scores.
+
     Two call styles:
 
     - HF-style ``model(input_ids=..., labels=..., inputs_embeds=..., attention_mask=...)`` on a ``(B, T)`` batch,
@@ -68,13 +71,14 @@ class Dense(TextModel):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
         self.layers = nn.ModuleList([self.build_layer(i) for i in range(config.num_hidden_layers)])
         self.norm = config.norm_class(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.hidden_size, config.num_labels or config.vocab_size, bias=False)
         self.tie_weights()
         self.rotary_emb = RotaryEmbedding(config.hf_config)
 
     def tie_weights(self) -> None:
-        """Share the LM head with the input embedding when the config ties them."""
-        if self.config.tie_word_embeddings:
+        """Share the LM head with the input embedding when the config ties them (never a sequence-classification
+        head, ``num_labels``)."""
+        if self.config.tie_word_embeddings and not self.config.num_labels:
             self.lm_head.weight = self.embed_tokens.weight
 
     attention_class: type[MultiHeadAttention] = MultiHeadAttention

@@ -64,6 +64,9 @@ class CheckpointModel(Protocol):
     def ignorable_hf_key(self, key: str) -> bool:
         """Whether an HF key no tensor reads may stay unread."""
 
+    def initializable_hf_key(self, key: str) -> bool:
+        """Whether an HF key a tensor reads may be absent (the tensor is then initialized, even when strict)."""
+
     def keep_fp32_names(self) -> set[str]:
         """Tensors written in fp32 whatever the dtype."""
 
@@ -81,7 +84,8 @@ def load_hf_weights(
 
     For each tensor of ``model.checkpoint_tensors()`` the HF keys come from ``model.hf_keys``, are read lazily and
     combined by ``model.hf_to_param``; a DTensor receives only its local shard. A ``meta`` model is materialized
-    on ``device`` (default CPU) first; with ``strict=False`` the tensors whose keys are absent are initialized.
+    on ``device`` (default CPU) first; with ``strict=False`` the tensors whose keys are absent are initialized, and
+    so are those whose absent keys ``model.initializable_hf_key`` allows (a new sequence-classification head).
     Checkpoint keys the model does not consume count as unexpected unless ``model.ignorable_hf_key`` says so.
     A block-fp8 checkpoint (``quantization_config`` with ``weight_block_size``; see :mod:`xtl.model.hf.fp8`) is
     dequantized: each fp8 weight is read with its ``_scale_inv`` and cast to the parameter's dtype. The stored dtype
@@ -94,7 +98,7 @@ def load_hf_weights(
         device: Device a ``meta`` model is materialized on.
 
     Returns:
-        The HF keys ``model`` needed that ``path`` lacks (always empty when ``strict``).
+        The HF keys ``model`` needed that ``path`` lacks, but those it may lack (always empty when ``strict``).
 
     Raises:
         CheckpointMismatchError: Lists every missing/unexpected key and every shape difference.
@@ -115,7 +119,7 @@ def load_hf_weights(
             keys = model.hf_keys(name)
             absent = [k for k in keys if k not in reader]
             if absent:
-                missing.extend(absent)
+                missing.extend(k for k in absent if not model.initializable_hf_key(k))
                 missing_params.append(name)
                 continue
             consumed.update(keys)
