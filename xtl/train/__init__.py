@@ -1,11 +1,15 @@
 """The training seam: one LightningModule for every model family, its family records and optimizer configs."""
 
+import importlib
+
 from xtl.train.base import LanguageModule
 from xtl.train.family import Family, RouterTraining, family_of
 from xtl.train.model_spec import resolve_model_config
 from xtl.train.optim import AdamWConfig, MuonConfig, OptimizerConfig, ScheduleConfig, TorchOptimizer
 from xtl.train.preference import PreferenceModule
 from xtl.train.preference_loss import PreferenceLoss
+from xtl.train.reward import RewardModule
+from xtl.train.reward_loss import RewardLoss
 from xtl.utils import resolve_path
 
 # Modules of earlier releases, folded into LanguageModule: name -> what to write instead.
@@ -23,7 +27,15 @@ FOLDED_MODULES = {
 FOLDED_MODULES["VisionMoELM"] = FOLDED_MODULES["VisionLM"]
 
 
+# Imported on first use: the distillation module reaches the rollout engines of xtl.rl, which import xtl.train.
+LAZY = {"DistillModule": "xtl.train.distill", "OnPolicySampling": "xtl.train.distill"}
+
+
 def __getattr__(name: str) -> object:
+    if name in LAZY:
+        value = getattr(importlib.import_module(LAZY[name]), name)
+        globals()[name] = value
+        return value
     if name in FOLDED_MODULES:
         raise ImportError(
             f"xtl.train.{name} is gone: one xtl.train.LanguageModule trains every model family; write "
@@ -34,12 +46,16 @@ def __getattr__(name: str) -> object:
 
 __all__ = [
     "AdamWConfig",
+    "DistillModule",
     "Family",
     "LanguageModule",
     "MuonConfig",
+    "OnPolicySampling",
     "OptimizerConfig",
     "PreferenceLoss",
     "PreferenceModule",
+    "RewardLoss",
+    "RewardModule",
     "RouterTraining",
     "ScheduleConfig",
     "TorchOptimizer",
