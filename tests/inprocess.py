@@ -7,8 +7,10 @@ does not. Runs of more than one process (a second rank re-runs the command line)
 from __future__ import annotations
 
 import contextlib
+import csv
 import logging
 import os
+import subprocess
 import sys
 import tempfile
 import traceback
@@ -52,3 +54,32 @@ def run_in_process(args: list[str], cwd: Path) -> tuple[int, str]:
                 os.close(copy)
         sink.seek(0)
         return code, sink.read().decode(errors="replace")
+
+
+def run_fit(args: list[str], cwd: Path, processes: bool = False) -> tuple[dict[int, dict[str, float]], str]:
+    """``xtl args`` (a fit) from ``cwd``, which must succeed without a traceback: the rows of its ``metrics.csv``
+    logs that have a ``train/loss``, by step, and its output.
+
+    Args:
+        args: The command line after ``xtl``.
+        cwd: Where it runs (its ``runs/`` holds the logs).
+        processes: Run it as a process of its own (a run of several ranks: a second rank re-runs the command line;
+            the repository is on its ``PYTHONPATH``, so YAML may name ``tests`` functions); else in this process.
+    """
+    if processes:
+        root = str(Path(__file__).resolve().parents[1])
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": root}
+        proc = subprocess.run(
+            [sys.executable, "-m", "xtl", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600
+        )
+        code, output = proc.returncode, proc.stdout + proc.stderr
+    else:  # in this process (a new one would spend most of the run importing)
+        code, output = run_in_process(args, cwd)
+    assert code == 0, output[-4000:]
+    assert "Traceback" not in output
+    rows: dict[int, dict[str, float]] = {}
+    for metrics in sorted(cwd.glob("runs/*/logs/version_*/metrics.csv")):
+        for row in csv.DictReader(metrics.open()):
+            if row.get("train/loss"):
+                rows[int(row["step"])] = {k: float(v) for k, v in row.items() if v}
+    return rows, output

@@ -4,10 +4,6 @@ exactly. Partial rollouts pause and continue completions; several tasks share ea
 
 from __future__ import annotations
 
-import csv
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +11,7 @@ import ray
 import torch
 from lightning.pytorch.strategies import SingleDeviceStrategy
 
+from tests.inprocess import run_fit
 from tests.rl.test_module import ARITHMETIC, MODEL, _fit, _module, varied_reward
 from tests.train.test_base import StopAt
 from xtl.data import SourceSpec, XTLDataModule
@@ -67,17 +64,8 @@ def _cli_fit(work: Path, policy: str, *extra: str) -> dict[int, dict[str, float]
         "    rollout: {prompts_per_step: 3, asynchronous: true, max_staleness: 1, oversample: 1.0, max_rounds: 3}\n"
         "    engine: {name: ray, ray: {num_actors: 1, actor_options: {num_cpus: 0}}}\n"
     )
-    args = [sys.executable, "-m", "xtl", "fit", "--config", str(ROOT / "configs" / "tiny_grpo.yaml")]
-    args += ["--config", str(work / "override.yaml"), *extra]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(args, cwd=work, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    rows: dict[int, dict[str, float]] = {}
-    for metrics in sorted(work.glob("runs/*/logs/version_*/metrics.csv")):
-        for row in csv.DictReader(metrics.open()):
-            if row.get("train/loss"):
-                rows[int(row["step"])] = {k: float(v) for k, v in row.items() if v}
-    return rows
+    args = ["fit", "--config", str(ROOT / "configs" / "tiny_grpo.yaml"), "--config", str(work / "override.yaml")]
+    return run_fit([*args, *extra], work, processes=True)[0]
 
 
 def _weights(trainer) -> dict[str, torch.Tensor]:

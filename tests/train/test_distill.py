@@ -12,12 +12,8 @@
 
 from __future__ import annotations
 
-import csv
 import json
-import os
 import shutil
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 
@@ -27,7 +23,7 @@ import pytest
 import torch
 from transformers import Qwen3ForCausalLM
 
-from tests.inprocess import run_in_process
+from tests.inprocess import run_fit
 from xtl.data.collate import MicroBatch, collate_pack
 from xtl.data.item import IGNORE_INDEX
 from xtl.data.packing import Pack
@@ -262,18 +258,4 @@ def _fit(work: Path, cache: Path, *extra: str, fragment: str = "") -> tuple[dict
         (work / "fragment.yaml").write_text(fragment)
         args += ["--config", str(work / "fragment.yaml")]
     args += ["--data.cache_dir", str(cache), "--trainer.max_steps", "4", *extra]
-    if fragment:  # a second rank re-runs the command line: processes of their own
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-        proc = subprocess.run([sys.executable, "-m", "xtl", *args], cwd=work, env=env, capture_output=True,
-                              text=True, timeout=600)  # fmt: skip
-        code, output = proc.returncode, proc.stdout + proc.stderr
-    else:
-        code, output = run_in_process(args, work)
-    assert code == 0, output[-4000:]
-    assert "Traceback" not in output
-    rows: dict[int, dict] = {}
-    for metrics in sorted(work.glob("runs/*/logs/version_*/metrics.csv")):
-        for row in csv.DictReader(metrics.open()):
-            if row.get("train/loss"):
-                rows[int(row["step"])] = {k: float(v) for k, v in row.items() if v}
-    return rows, output
+    return run_fit(args, work, processes=bool(fragment))  # a second rank re-runs the command line

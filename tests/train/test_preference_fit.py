@@ -8,16 +8,13 @@ from __future__ import annotations
 
 import csv
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from tests.inprocess import run_in_process
+from tests.inprocess import run_fit
 from tests.train.conftest import TINY_MODEL
 from xtl.utils import TINY_ASSETS_DIR
 
@@ -57,26 +54,12 @@ def _fit(
         "trainer:\n  precision: 32-true\n  val_check_interval: null\n  enable_progress_bar: false\n"
         "  num_sanity_val_steps: 0\n  callbacks: []\ndata:\n  val_sources: null\n  pack_max_length: 128\n"
     )
-    args = [sys.executable, "-m", "xtl", "fit", "--config", str(ROOT / "configs" / recipe[0]), "--config"]
+    args = ["fit", "--config", str(ROOT / "configs" / recipe[0]), "--config"]
     args += [str(override), "--data.cache_dir", str(cache), "--trainer.max_steps", "3"]
     if fragment:  # a file of its own: a second ``trainer:`` key in one YAML file would replace the first
         (work / "fragment.yaml").write_text(fragment)
         args += ["--config", str(work / "fragment.yaml")]
-    args += extra
-    if fragment:  # a second rank is started by re-running the command line: a process of its own
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-        proc = subprocess.run(args, cwd=work, env=env, capture_output=True, text=True, timeout=600)
-        code, output = proc.returncode, proc.stdout + proc.stderr
-    else:  # in this process (a new one would spend most of the run importing)
-        code, output = run_in_process(args[3:], work)
-    assert code == 0, output[-4000:]
-    assert "Traceback" not in output
-    rows: dict[int, dict] = {}
-    for metrics in sorted(work.glob("runs/*/logs/version_*/metrics.csv")):
-        for row in csv.DictReader(metrics.open()):
-            if row.get("train/loss"):
-                rows[int(row["step"])] = {k: float(v) for k, v in row.items() if v}
-    return rows, output
+    return run_fit([*args, *extra], work, processes=bool(fragment))
 
 
 def _close(
