@@ -222,8 +222,9 @@ class TestRecipe:
 
     @pytest.mark.distributed
     def test_two_fsdp_ranks_train_as_one_process(self, tmp_path):
-        """Dataset completions (``lmbda: 0``): 2 FSDP ranks x 1 micro-batch log the losses of 1 process x 2 (the
-        sharded student's head runs in its forward, the teacher's head on its gathered weight), fp32, 1e-5."""
+        """Dataset completions (``lmbda: 0``): 2 FSDP ranks x 1 micro-batch log the losses and gradient norms of 1
+        process x 2 (the sharded student's head runs in its forward, the teacher's head on its gathered weight), fp32,
+        1e-5."""
         steps = ["--model.init_args.lmbda", "0", "--trainer.max_steps", "3"]
         one, _ = _fit(tmp_path / "one", tmp_path / "cache", *steps, "--data.micro_batches_per_step", "2")
         fsdp = (
@@ -233,7 +234,8 @@ class TestRecipe:
         two, _ = _fit(tmp_path / "two", tmp_path / "cache2", *steps, "--data.micro_batches_per_step", "1",
                       fragment=fsdp)  # fmt: skip
         for step in range(3):
-            assert two[step]["train/loss"] == pytest.approx(one[step]["train/loss"], rel=1e-5), step
+            for key in ("train/loss", "train/grad_norm"):  # the gradient too: Adam would hide a wrong scale
+                assert two[step][key] == pytest.approx(one[step][key], rel=1e-5), (step, key)
         # on-policy steps: the two ranks decode their own prompts in lockstep (sharded parameters)
         steps = ["--model.init_args.lmbda", "1", "--trainer.max_steps", "2", "--data.micro_batches_per_step", "1"]
         sampled, _ = _fit(tmp_path / "sampled", tmp_path / "cache2", *steps, fragment=fsdp)
