@@ -154,6 +154,15 @@ def _check_feature_acts(cell: Cell, result: dict, plain: dict) -> None:
     elif name == "kto":  # step 0: every reward and the reference point 0, each row's loss 1 - sigmoid(0)
         assert math.isclose(float(result["losses"]["0"]), 0.5, rel_tol=1e-6), result["losses"]
         assert {"train/kl", "train/rewards/chosen", "train/rewards/rejected"} <= set(result["logged"])
+    elif name == "reward":  # a new scalar head: small random rewards, so the first loss is near log 2
+        assert probe["head_outputs"] == 1 and plain["probe"]["head_outputs"] > 1, probe["head_outputs"]
+        assert abs(float(result["losses"]["0"]) - math.log(2)) < 0.25, result["losses"]
+        assert {"train/accuracy", "train/margin", "train/rewards/chosen"} <= set(result["logged"])
+    elif name == "distill":  # a frozen separate teacher; every step sampled by the student
+        reference = probe["reference"]
+        assert reference["mode"] == "model" and reference["frozen"] and not reference["moved"], reference
+        assert float(result["losses"]["0"]) > 0 and "train/on_policy" in result["logged"], result["losses"]
+        assert probe["on_policy_steps"] == STEPS, probe["on_policy_steps"]
     elif name == "grpo_tools":  # as grpo, through the tool loop: its turns are logged
         assert abs(float(result["losses"]["0"])) < 1e-6, result["losses"]
         assert {"train/ratio", "rollout/turns", "rollout/tool_calls", "rollout/malformed_calls"} <= set(

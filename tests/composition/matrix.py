@@ -9,6 +9,7 @@ contains the text in :data:`REFUSED`. ``docs/configs.md`` shows :func:`render_ma
 
 from __future__ import annotations
 
+import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -277,6 +278,27 @@ FEATURES = (
         "batch) and the rollout trace (`callbacks/rollout_trace.yaml`: spans and the page)",
     ),
     Feature(
+        "reward",
+        (),
+        "model:\n  class_path: xtl.train.RewardModule\n  init_args:\n"
+        "    objective: {center_rewards_coefficient: 0.01}\n"
+        "data:\n  sources: [{path: tiny:preference_train.jsonl, kind: preference}]\n",
+        "objective",
+        "reward modelling (Bradley-Terry with the centering term, a new scalar head read at each document's last "
+        "token) on the tiny preference pairs",
+    ),
+    Feature(
+        "distill",
+        (),
+        "model:\n  class_path: xtl.train.DistillModule\n  init_args:\n"
+        f"    teacher: {json.dumps({'model_type': 'qwen3', **_TEXT, 'num_hidden_layers': 3})}\n"
+        "    lmbda: 1.0\n    beta: 0.5\n    sampling: {max_new_tokens: 6}\n"
+        "data:\n  sources: [{path: tiny:sft_train.jsonl, kind: chat}]\n",
+        "objective",
+        "on-policy distillation (GKD, generalized JSD with beta 0.5; every step on the student's own completions) "
+        "towards a frozen 3-layer Qwen3 teacher built and sharded like a reference model",
+    ),
+    Feature(
         "fused",
         (),
         "model:\n  init_args:\n    model_overrides: {fused_projections: true}\n",
@@ -359,6 +381,11 @@ REFUSED: dict[tuple[str, str, str], str] = {
     ("vlm", "grpo_partial", "*"): "GRPOModule trains text models",
     ("vlm_moe", "grpo_partial", "*"): "GRPOModule trains text models",
     ("vlm_moe", "grpo_tools", "*"): "GRPOModule trains text models",
+    ("vlm", "reward", "*"): "RewardModule trains text models",
+    ("vlm_moe", "reward", "*"): "RewardModule trains text models",
+    ("vlm", "distill", "*"): "DistillModule trains text models",
+    ("vlm_moe", "distill", "*"): "DistillModule trains text models",
+    ("*", "distill", "cp"): "DistillModule samples whole completions and scores them with the teacher",
     **{
         ("*", "compile_model", strategy): "Compile scope: model compiles the whole forward on one device"
         for strategy in ("fsdp", "ep", "cp")
@@ -506,8 +533,6 @@ def render_markdown() -> str:
 
 def _flow(value: object) -> str:
     """``value`` as one line of YAML flow style (JSON is valid YAML)."""
-    import json
-
     return json.dumps(value)
 
 

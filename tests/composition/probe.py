@@ -22,8 +22,10 @@ class Probe(pl.Callback):
     again in backward), ``trainable`` / ``total`` parameters, ``float8`` (fp8 linear layers), ``nf4`` (NF4
     weights), ``fused`` (fused projections), ``compiled_frames`` (frames Dynamo compiled during the fit),
     ``offloaded_bytes``, ``files`` (what the run wrote under its root), ``optimizer`` (its class, the
-    parameters in Muon groups and those of them Muon splits into HF matrices) and ``reference`` (an objective's
-    reference policy: mode, frozen model, precomputed tables, whether it moved).
+    parameters in Muon groups and those of them Muon splits into HF matrices), ``reference`` (an objective's
+    reference policy: mode, frozen model, precomputed tables, whether it moved), ``head_outputs`` (the rows of the
+    output head: 1 for a reward model's scalar head) and ``on_policy_steps`` (distillation's steps on the student's
+    own completions).
     """
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -55,6 +57,8 @@ class Probe(pl.Callback):
             "files": sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()),
             "optimizer": _optimizer(trainer),
             "reference": _reference(pl_module, self.reference_start),
+            "head_outputs": model.text_model().lm_head.weight.shape[0],
+            "on_policy_steps": getattr(pl_module, "_on_policy_steps", None),
         }
         if trainer.is_global_zero:
             atomic_write_bytes(root / "probe.json", json.dumps(record).encode())
