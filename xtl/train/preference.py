@@ -19,7 +19,7 @@ losses do not depend on how its packs are spread over data-parallel ranks.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,6 +74,41 @@ def sequence_logps(
     return SequenceLogps(logps[0::2], logps[1::2], counts[0::2], counts[1::2]), nll_sum
 
 
+
+class PairMetrics:
+    """Held-out metrics of a pairwise objective (preference optimization, reward modelling), for a
+    :class:`~xtl.train.LanguageModule` subclass whose ``objective`` has ``metric_means(sums, pairs)``: per held-out
+    set, torchmetrics sums of the loss, the pairs and each metric (synced across ranks), logged as means over pairs.
+    """
+
+    def pair_metrics(self, dataloader_idx: int, names: Iterable[str]) -> nn.ModuleDict:
+        """The sums of one held-out set (``loss``, ``pairs`` and ``names``), made at its first batch."""
+        key, sets = str(dataloader_idx), self._val_metrics
+        if key not in sets:
+            sets[key] = nn.ModuleDict(
+                {n: torchmetrics.SumMetric().to(self.device) for n in ("loss", "pairs", *names)}
+            )
+        return sets[key]
+
+    def join_metric_sync(self, metrics: nn.ModuleDict) -> None:
+        """Add zero to every sum: a rank without pairs still joins the sync."""
+        for metric in metrics.values():
+            metric.update(torch.zeros((), device=self.device))
+
+    def log_pair_metrics(self) -> None:
+        """Log ``val/loss`` and the objective's metrics as means over the pairs (``val/<set>/...`` for several
+        sets), then reset the sums."""
+        for key, metrics in self._val_metrics.items():
+            values = {name: metric.compute() for name, metric in metrics.items()}
+            pairs = values.pop("pairs").clamp(min=1)
+            name = self._set_name("val", int(key))
+            prefix = "val" if key == "0" and len(self._val_metrics) == 1 else f"val/{name}"
+            means = {"loss": values["loss"] / pairs, **self.objective.metric_means(values, pairs)}
+            for metric_name, value in means.items():
+                self.log(f"{prefix}/{metric_name}", value, sync_dist=False, prog_bar=metric_name == "loss")
+            for metric in metrics.values():
+                metric.reset()
+
 @dataclass
 class UnpairedMicroBatch(MicroBatch):
     """An unpaired (KTO) training micro-batch with its rows' own documents and their mismatched (KL) documents also
@@ -127,7 +162,7 @@ def split_unpaired(batch: MicroBatch) -> MicroBatch:
     )
 
 
-class PreferenceModule(LanguageModule):
+class PreferenceModule(PairMetrics, LanguageModule):
     """Trains an xtl model of any family on preference pairs (DPO, IPO, hinge, robust, SimPO, ORPO) or on unpaired
     labeled completions (KTO, unpaired APO-zero).
 
@@ -254,7 +289,7 @@ class PreferenceModule(LanguageModule):
 
     def validation_step(self, batch: list[Any], batch_idx: int, dataloader_idx: int = 0) -> None:
         """Accumulate the pairs' loss and metric sums of one held-out set (torchmetrics, synced across ranks)."""
-        metrics = self._preference_metrics(self._val_metrics, dataloader_idx)
+        metrics = self.pair_metrics(dataloader_idx, self.objective.metric_sums)
         with torch.no_grad():
             for mb, real in self.eval_micro_batches(batch):
                 if not real or pair_count(mb) == 0:  # every rank runs as many forwards (sharded parameters)
@@ -269,21 +304,11 @@ class PreferenceModule(LanguageModule):
                 metrics["pairs"].update(torch.tensor(float(pair_count(mb)), device=self.device))
                 for key in self.objective.metric_sums:
                     metrics[key].update(terms.metric_sums[key])
-        for metric in metrics.values():  # a rank without pairs still joins the sync
-            metric.update(torch.zeros((), device=self.device))
+        self.join_metric_sync(metrics)
 
     def on_validation_epoch_end(self) -> None:
         """Log ``val/loss`` and ``val/rewards/...``, ``val/logps/...`` (``val/<set>/...`` for several sets)."""
-        for key, metrics in self._val_metrics.items():
-            values = {name: metric.compute() for name, metric in metrics.items()}
-            pairs = values.pop("pairs").clamp(min=1)
-            name = self._set_name("val", int(key))
-            prefix = "val" if key == "0" and len(self._val_metrics) == 1 else f"val/{name}"
-            means = {"loss": values["loss"] / pairs, **self.objective.metric_means(values, pairs)}
-            for metric_name, value in means.items():
-                self.log(f"{prefix}/{metric_name}", value, sync_dist=False, prog_bar=metric_name == "loss")
-            for metric in metrics.values():
-                metric.reset()
+        self.log_pair_metrics()
 
     # ---- private ---------------------------------------------------------------------------------------------
 
@@ -348,13 +373,6 @@ class PreferenceModule(LanguageModule):
             other = sorted({spec.kind for spec in specs} - {want})
             if other:
                 raise ConfigError(_kind_mismatch(self.objective.loss_type, f"{key} has kind: {other[0]};"))
-
-    def _preference_metrics(self, sets: nn.ModuleDict, dataloader_idx: int) -> nn.ModuleDict:
-        key = str(dataloader_idx)
-        if key not in sets:
-            names = ("loss", "pairs", *self.objective.metric_sums)
-            sets[key] = nn.ModuleDict({n: torchmetrics.SumMetric().to(self.device) for n in names})
-        return sets[key]
 
 
 def _pair_logps(

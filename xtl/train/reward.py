@@ -22,9 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torchmetrics
 from lightning.pytorch.utilities import rank_zero_info
-from torch import nn
 
 from xtl.batch import ModelOutput
 from xtl.data.collate import MicroBatch
@@ -32,12 +30,12 @@ from xtl.data.datamodule import XTLDataModule
 from xtl.data.preference import PREFERENCE_KIND
 from xtl.errors import ConfigError
 from xtl.train.base import LanguageModule
-from xtl.train.preference import pair_count
+from xtl.train.preference import PairMetrics, pair_count
 from xtl.train.reward_loss import REWARD_METRICS, RewardLoss, RewardTerms
 from xtl.train.scorer import document_sums
 
 
-class RewardModule(LanguageModule):
+class RewardModule(PairMetrics, LanguageModule):
     """Trains a reward model (a scalar head on an xtl model of any text family) on preference pairs with TRL's
     Bradley-Terry loss.
 
@@ -173,7 +171,7 @@ class RewardModule(LanguageModule):
 
     def validation_step(self, batch: list[Any], batch_idx: int, dataloader_idx: int = 0) -> None:
         """Accumulate the pairs' loss and metric sums of one held-out set (torchmetrics, synced across ranks)."""
-        metrics = self._reward_metrics(self._val_metrics, dataloader_idx)
+        metrics = self.pair_metrics(dataloader_idx, REWARD_METRICS)
         with torch.no_grad():
             for mb, real in self.eval_micro_batches(batch):
                 if not real or pair_count(mb) == 0:  # every rank runs as many forwards (sharded parameters)
@@ -184,22 +182,12 @@ class RewardModule(LanguageModule):
                 metrics["pairs"].update(torch.tensor(float(pair_count(mb)), device=self.device))
                 for key in REWARD_METRICS:
                     metrics[key].update(terms.metric_sums[key])
-        for metric in metrics.values():  # a rank without pairs still joins the sync
-            metric.update(torch.zeros((), device=self.device))
+        self.join_metric_sync(metrics)
 
     def on_validation_epoch_end(self) -> None:
         """Log ``val/loss``, ``val/accuracy``, ``val/margin`` and ``val/rewards/...`` (``val/<set>/...`` for
         several sets)."""
-        for key, metrics in self._val_metrics.items():
-            values = {name: metric.compute() for name, metric in metrics.items()}
-            pairs = values.pop("pairs").clamp(min=1)
-            name = self._set_name("val", int(key))
-            prefix = "val" if key == "0" and len(self._val_metrics) == 1 else f"val/{name}"
-            means = {"loss": values["loss"] / pairs, **self.objective.metric_means(values, pairs)}
-            for metric_name, value in means.items():
-                self.log(f"{prefix}/{metric_name}", value, sync_dist=False, prog_bar=metric_name == "loss")
-            for metric in metrics.values():
-                metric.reset()
+        self.log_pair_metrics()
 
     def test_step(self, batch: list[Any], batch_idx: int, dataloader_idx: int = 0) -> None:
         """Not supported: a reward model is evaluated on held-out pairs (``data.val_sources``)."""
@@ -226,10 +214,3 @@ class RewardModule(LanguageModule):
                     f"{key} has kind: {other[0]}; RewardModule trains on chosen/rejected pairs: set kind: "
                     f"{PREFERENCE_KIND} on the sources"
                 )
-
-    def _reward_metrics(self, sets: nn.ModuleDict, dataloader_idx: int) -> nn.ModuleDict:
-        key = str(dataloader_idx)
-        if key not in sets:
-            names = ("loss", "pairs", *REWARD_METRICS)
-            sets[key] = nn.ModuleDict({n: torchmetrics.SumMetric().to(self.device) for n in names})
-        return sets[key]
