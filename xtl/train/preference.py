@@ -74,7 +74,6 @@ def sequence_logps(
     return SequenceLogps(logps[0::2], logps[1::2], counts[0::2], counts[1::2]), nll_sum
 
 
-
 class PairMetrics:
     """Held-out metrics of a pairwise objective (preference optimization, reward modelling), for a
     :class:`~xtl.train.LanguageModule` subclass whose ``objective`` has ``metric_means(sums, pairs)``: per held-out
@@ -85,9 +84,7 @@ class PairMetrics:
         """The sums of one held-out set (``loss``, ``pairs`` and ``names``), made at its first batch."""
         key, sets = str(dataloader_idx), self._val_metrics
         if key not in sets:
-            sets[key] = nn.ModuleDict(
-                {n: torchmetrics.SumMetric().to(self.device) for n in ("loss", "pairs", *names)}
-            )
+            sets[key] = nn.ModuleDict({n: torchmetrics.SumMetric().to(self.device) for n in ("loss", "pairs", *names)})
         return sets[key]
 
     def join_metric_sync(self, metrics: nn.ModuleDict) -> None:
@@ -108,6 +105,7 @@ class PairMetrics:
                 self.log(f"{prefix}/{metric_name}", value, sync_dist=False, prog_bar=metric_name == "loss")
             for metric in metrics.values():
                 metric.reset()
+
 
 @dataclass
 class UnpairedMicroBatch(MicroBatch):
