@@ -26,6 +26,7 @@ _EXPORTS = {
     "RegexJudger": "xtl.rl.judger",
     "RolloutState": "xtl.rl.judger",
     "SyncJudger": "xtl.rl.judger",
+    "RewardModelJudger": "xtl.rl.reward_model_judger",
     "EngineSettings": "xtl.rl.engines",
     "PolicyLossConfig": "xtl.rl.loss",
     "GRPOModule": "xtl.rl.module",
