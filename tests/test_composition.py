@@ -154,6 +154,13 @@ def _check_feature_acts(cell: Cell, result: dict, plain: dict) -> None:
     elif name == "kto":  # step 0: every reward and the reference point 0, each row's loss 1 - sigmoid(0)
         assert math.isclose(float(result["losses"]["0"]), 0.5, rel_tol=1e-6), result["losses"]
         assert {"train/kl", "train/rewards/chosen", "train/rewards/rejected"} <= set(result["logged"])
+    elif name == "online_dpo":  # step 0: the policy is its reference, every pair's logit 0, the loss log 2
+        assert math.isclose(float(result["losses"]["0"]), math.log(2), rel_tol=1e-6), result["losses"]
+        assert {"train/rewards/accuracies", "train/objective/kl", "train/logps/chosen", "train/pairs"} <= set(
+            result["logged"]
+        )
+        reference = probe["reference"]
+        assert reference["mode"] == "live" and reference["frozen"] and not reference["moved"], reference
     elif name == "reward":  # a new scalar head: small random rewards, so the first loss is near log 2
         assert probe["head_outputs"] == 1 and plain["probe"]["head_outputs"] > 1, probe["head_outputs"]
         assert abs(float(result["losses"]["0"]) - math.log(2)) < 0.25, result["losses"]

@@ -278,6 +278,19 @@ FEATURES = (
         "batch) and the rollout trace (`callbacks/rollout_trace.yaml`: spans and the page)",
     ),
     Feature(
+        "online_dpo",
+        (),
+        "model:\n  class_path: xtl.rl.OnlineDPOModule\n  init_args:\n"
+        "    judger: {class_path: xtl.rl.FormatJudger, init_args: {pattern: '(..)*'}}\n"
+        "    sampling: {group_size: 2, max_new_tokens: 6}\n"
+        "    rollout: {prompts_per_step: 2}\n"
+        "    objective: {beta: 0.1, loss_type: sigmoid}\n"
+        "data:\n  sources: [{path: tiny:sft_train.jsonl, kind: prompt}]\n",
+        "objective",
+        "online DPO: two completions per prompt from the policy, ranked by a format judger into a pair, DPO loss "
+        "against the live reference (TRL's `OnlineDPOTrainer`)",
+    ),
+    Feature(
         "reward",
         (),
         "model:\n  class_path: xtl.train.RewardModule\n  init_args:\n"
@@ -381,6 +394,8 @@ REFUSED: dict[tuple[str, str, str], str] = {
     ("vlm", "grpo_partial", "*"): "GRPOModule trains text models",
     ("vlm_moe", "grpo_partial", "*"): "GRPOModule trains text models",
     ("vlm_moe", "grpo_tools", "*"): "GRPOModule trains text models",
+    ("vlm", "online_dpo", "*"): "OnlineDPOModule trains text models",
+    ("vlm_moe", "online_dpo", "*"): "OnlineDPOModule trains text models",
     ("vlm", "reward", "*"): "RewardModule trains text models",
     ("vlm_moe", "reward", "*"): "RewardModule trains text models",
     ("vlm", "distill", "*"): "DistillModule trains text models",

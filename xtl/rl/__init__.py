@@ -30,6 +30,7 @@ _EXPORTS = {
     "EngineSettings": "xtl.rl.engines",
     "PolicyLossConfig": "xtl.rl.loss",
     "GRPOModule": "xtl.rl.module",
+    "OnlineDPOModule": "xtl.rl.online_dpo",
     "DetachedEngine": "xtl.rl.rollout",
     "LocalRolloutEngine": "xtl.rl.rollout",
     "Rollout": "xtl.rl.rollout",

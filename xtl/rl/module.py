@@ -186,7 +186,9 @@ class GRPOModule(LanguageModule):
         """Refuse what RL cannot run: data that is not prompts, models with images."""
         super().setup(stage)
         if self.family.vision:
-            raise ConfigError("GRPOModule trains text models; a vision-language policy is not supported yet")
+            raise ConfigError(
+                f"{type(self).__name__} trains text models; a vision-language policy is not supported yet"
+            )
         datamodule = self._trainer.datamodule if self._trainer is not None else None
         if not isinstance(datamodule, XTLDataModule) or datamodule.prompts is None:
             raise ConfigError(
@@ -214,11 +216,8 @@ class GRPOModule(LanguageModule):
                 "model.init_args.rollout.asynchronous needs an engine that samples in other processes "
                 f"(engine.name: ray); {type(self.engine).__name__} samples with the policy itself"
             )
-        objective = self.objective
         rank_zero_info(
-            f"xtl rl: {objective.loss_type} ({objective.importance_sampling}-level ratio, clip "
-            f"[{1 - objective.epsilon_low:g}, {1 + objective.epsilon_high:g}], beta {objective.beta}, reference "
-            f"{self.reference.mode}: {self.reference.describe()}); {self.rollout.prompts_per_step} prompts x "
+            f"xtl rl: {self.describe_objective()}; {self.rollout.prompts_per_step} prompts x "
             f"{self.sampling.group_size} completions per rank and rollout batch ({self.agent.describe()}), "
             f"{self.updates.steps_per_batch} optimizer step(s) each"
             + (f"; produced asynchronously, at most {self.rollout.max_staleness} step(s) stale"
@@ -280,6 +279,41 @@ class GRPOModule(LanguageModule):
             return ModelOutput(loss_sum=out.loss_sum, num_tokens=None)
 
         return forward, sums
+
+    def build_updates(self, groups: list[Group], stats: ProduceStats) -> list[list[RLMicroBatch]]:
+        """The pending updates of a rollout batch (each the micro-batches of one optimizer step, ``updates.epochs``
+        passes of ``updates.mini_batches``) with their log-probabilities, and the batch's metrics. An objective on
+        the same rollouts (:class:`~xtl.rl.OnlineDPOModule`) overrides it."""
+        samples, advantages = self._advantages(groups)
+        self._rollout_metrics = self._metrics(stats, groups, samples)
+        updates = [
+            cut_micro_batches(
+                chunk, self.updates.micro_batches, self.objective.loss_type, self.sampling.max_new_tokens
+            )
+            for chunk in split_round_robin(list(zip(samples, advantages)), self.updates.mini_batches)
+        ]
+        with torch.no_grad():
+            for k, update in enumerate(updates):
+                for mb in update:
+                    # the first update's old log-probabilities come from its own forward (module docstring), unless
+                    # that forward must replay the routing this one records
+                    self._fill_logps(mb, policy=k > 0 or self.routing_replay)
+        return [list(update) for _ in range(self.updates.epochs) for update in updates]
+
+    def describe_objective(self) -> str:
+        """The objective and its reference, for the log line of the fit's start."""
+        objective = self.objective
+        return (
+            f"{objective.loss_type} ({objective.importance_sampling}-level ratio, clip "
+            f"[{1 - objective.epsilon_low:g}, {1 + objective.epsilon_high:g}], beta {objective.beta}, reference "
+            f"{self.reference.mode}: {self.reference.describe()})"
+        )
+
+    @property
+    def scoring_temperature(self) -> float:
+        """The temperature the policy's and the reference's log-probabilities are scored at: the sampling's (TRL's
+        ``GRPOTrainer`` scores at it too)."""
+        return self.sampling.temperature
 
     # ---- evaluation ------------------------------------------------------------------------------------------
 
@@ -446,21 +480,7 @@ class GRPOModule(LanguageModule):
             with self.parallelizer.whole_sequences(self.model):  # a context-parallel group decodes whole sequences
                 groups, stats = self._produce_groups(datamodule, sampling, self._batches)
         self._batches += 1
-        samples, advantages = self._advantages(groups)
-        self._rollout_metrics = self._metrics(stats, groups, samples)
-        updates = [
-            cut_micro_batches(
-                chunk, self.updates.micro_batches, self.objective.loss_type, self.sampling.max_new_tokens
-            )
-            for chunk in split_round_robin(list(zip(samples, advantages)), self.updates.mini_batches)
-        ]
-        with torch.no_grad():
-            for k, update in enumerate(updates):
-                for mb in update:
-                    # the first update's old log-probabilities come from its own forward (module docstring), unless
-                    # that forward must replay the routing this one records
-                    self._fill_logps(mb, policy=k > 0 or self.routing_replay)
-        self._pending = [list(update) for _ in range(self.updates.epochs) for update in updates]
+        self._pending = self.build_updates(groups, stats)
 
     def _produce_groups(
         self, datamodule: Any, sampling: SamplingSettings, version: int, train_step: int | None = None
@@ -624,11 +644,11 @@ class GRPOModule(LanguageModule):
     def _token_logps(
         self, model: torch.nn.Module, mb: RLMicroBatch, with_entropy: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``(B, T)`` log-probabilities (at the sampling temperature) of the completion tokens, and their entropy:
+        """``(B, T)`` log-probabilities (at :attr:`scoring_temperature`) of the completion tokens, and their entropy:
         this rank scores what it forwards (:func:`~xtl.train.scorer.score_tokens`) and the completion tokens of the
         whole pack are gathered over the context-parallel group (:func:`~xtl.train.scorer.pack_values`), so every
         rank of the group holds the whole rollout's values."""
-        forwarded, temperature = mb.forwarded, self.sampling.temperature
+        forwarded, temperature = mb.forwarded, self.scoring_temperature
         scores = score_tokens(
             model, forwarded.seq_ctx, forwarded.labels, temperature=temperature, entropy=with_entropy
         )
