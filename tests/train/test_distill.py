@@ -250,7 +250,7 @@ def _fit(work: Path, cache: Path, *extra: str, fragment: str = "") -> tuple[dict
     override = work / "override.yaml"
     override.write_text(
         f"model:\n  init_args:\n    model: {dict(TINY_MODEL)}\n    teacher: {dict(TEACHER)}\n"
-        "    sampling: {temperature: 1.0, max_new_tokens: 8}\n"
+        "    lmbda: 0.5\n    beta: 0.5\n    sampling: {temperature: 1.0, max_new_tokens: 8}\n"
         "    schedule: {warmup_steps: 1, kind: cosine, decay_steps: 4}\n"
         "trainer:\n  precision: 32-true\n  val_check_interval: null\n  enable_progress_bar: false\n"
         "  num_sanity_val_steps: 0\n  callbacks: []\ndata:\n  val_sources: null\n  pack_max_length: 128\n"
