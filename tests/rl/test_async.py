@@ -13,10 +13,10 @@ from lightning.pytorch.strategies import SingleDeviceStrategy
 
 from tests.inprocess import run_fit
 from tests.rl.test_module import ARITHMETIC, MODEL, _fit, _module, varied_reward
+from tests.seeded_model import save_seeded_model
 from tests.train.test_base import StopAt
 from xtl.data import SourceSpec, XTLDataModule
 from xtl.errors import ConfigError
-from xtl.model import MODEL_TYPES
 from xtl.rl import ComposedJudger, EngineSettings, FunctionJudger, RolloutSettings
 from xtl.rl.tasks import TaskMix
 
@@ -33,15 +33,7 @@ def local_ray():
 @pytest.fixture(scope="module")
 def hf_policy(tmp_path_factory) -> str:
     """The tiny policy as an HF directory (the actors start from it)."""
-    config = dict(MODEL)
-    with torch.device("meta"):
-        model = MODEL_TYPES[config.pop("model_type")](**config).build()
-    model.materialize("cpu")
-    torch.manual_seed(0)
-    model.init_weights()
-    path = tmp_path_factory.mktemp("policy") / "hf"
-    model.save_hf(path)
-    return str(path)
+    return str(save_seeded_model(MODEL, tmp_path_factory.mktemp("policy") / "hf"))
 
 
 def _async(hf_policy: str, staleness: int, asynchronous: bool = True, **rollout):

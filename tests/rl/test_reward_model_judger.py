@@ -27,6 +27,7 @@ from transformers import (
 
 from tests.inprocess import run_fit
 from tests.rl.test_module import MODEL as POLICY
+from tests.seeded_model import save_seeded_model
 from xtl.data import Pack, collate_pack
 from xtl.data.preference import PreferenceTokenizeFn
 from xtl.errors import ConfigError
@@ -341,15 +342,7 @@ class TestGRPO:
     def test_the_recipe_runs_with_the_judger_named_in_yaml(self, reward_models, tmp_path):
         """``xtl fit`` of ``configs/tiny_grpo_rm.yaml`` (a tiny random policy and reward model in place of the
         exports, two steps): the judger is built from its ``class_path`` and its rewards train the policy."""
-        config = dict(POLICY)
-        from xtl.model import MODEL_TYPES
-
-        with torch.device("meta"):
-            policy = MODEL_TYPES[config.pop("model_type")](**config).build()
-        policy.materialize("cpu")
-        torch.manual_seed(0)
-        policy.init_weights()
-        policy.save_hf(tmp_path / "policy")
+        save_seeded_model(POLICY, tmp_path / "policy")
         (tmp_path / "override.yaml").write_text(
             "trainer:\n  max_steps: 2\n  val_check_interval: null\n  limit_val_batches: 0\n  precision: 32-true\n"
             "  enable_progress_bar: false\n  callbacks: []\n"

@@ -49,20 +49,13 @@ from xtl.rl.module import GRPOModule
 from xtl.rl.packing import RLMicroBatch, pack_sequences, split_round_robin
 from xtl.rl.rollout import SamplingSettings
 from xtl.rl.settings import RolloutSettings, UpdateSettings
-from xtl.train.preference_loss import PreferenceLoss, SequenceLogps
+from xtl.train.preference_loss import METRICS, PreferenceLoss, SequenceLogps
 from xtl.train.reference import ReferenceConfig, ReferenceMode
 
 KEY = "model.init_args"
 OnlineLossType = Literal["sigmoid", "ipo"]
 ONLINE_LOSS_TYPES: tuple[str, ...] = get_args(OnlineLossType)
-PAIR_METRICS = (
-    "rewards/chosen",
-    "rewards/rejected",
-    "rewards/accuracies",
-    "rewards/margins",
-    "logps/chosen",
-    "logps/rejected",
-)
+PAIR_METRICS = METRICS  # offline DPO's, TRL's names
 # what a micro-batch sums for the step's metrics (one tensor over micro-batches and ranks, in this order)
 STEP_SUMS = ("pairs", *PAIR_METRICS, "kl", "entropy")
 
