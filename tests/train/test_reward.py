@@ -39,9 +39,10 @@ from tests.train.test_preference import _pairs as _preference_pairs
 from xtl.callbacks import HFExport, LoRA
 from xtl.data import Pack, SourceSpec, XTLDataModule, collate_pack
 from xtl.data.collate import MicroBatch, split_for_context_parallel
+from xtl.data.item import DataError
 from xtl.errors import ConfigError
 from xtl.strategies import SingleDevice
-from xtl.train import LanguageModule, RewardLoss, RewardModule
+from xtl.train import LanguageModule, PreferenceModule, RewardLoss, RewardModule
 from xtl.train.preference import pair_count
 from xtl.train.step import forward_backward
 
@@ -410,3 +411,70 @@ class TestFit:
             rows = [{"chosen_ids": docs[k], "rejected_ids": docs[k + 1]} for k in range(0, len(docs), 2)]
             logits = hf(**DataCollatorForPreference(pad_token_id=hf.config.pad_token_id)(rows)).logits.squeeze(-1)
         torch.testing.assert_close(torch.cat([chosen, rejected]), logits, rtol=0, atol=ATOL)
+
+
+def _margin_rows(path: Path, count: int = 24, skip: int | None = None) -> Path:
+    """Preference rows whose chosen answer names its row (``yes k``) and whose ``margin`` is ``k / 4`` (row ``skip``
+    has none)."""
+    rows = [
+        {"prompt": f"question {k}", "chosen": f"yes {k}", "rejected": f"no {k}"}
+        | ({} if k == skip else {"margin": k / 4})
+        for k in range(count)
+    ]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+class TestMargins:
+    def test_each_pair_carries_its_rows_margin_into_the_loss(self, tmp_path, make_datamodule):
+        """``margin_key``: both documents of a pair carry the margin of their row (matched by the chosen answer's
+        text), and the loss is the Bradley-Terry loss with those margins, not without."""
+        source = {"path": str(_margin_rows(tmp_path / "pairs.jsonl")), "kind": "preference", "margin_key": "margin"}
+        data = make_datamodule(sources=[source], micro_batches_per_step=1)
+        data.setup("fit")
+        tokenizer = data.load_tokenizer()
+        module = RewardModule(dict(TINY_MODEL))
+        module.configure_model()
+        seen = 0
+        for step in data.train_dataloader():
+            for mb in step:
+                bounds, tags = mb.seq_ctx.doc_bounds, mb.doc_tags
+                assert tags is not None and tags[0::2] == tags[1::2]
+                for k in range(pair_count(mb)):
+                    text = tokenizer.decode(mb.seq_ctx.input_ids[0, bounds[2 * k] : bounds[2 * k + 1]].tolist())
+                    row = int(re.search(r"yes (\d+)", text).group(1))
+                    assert tags[2 * k] == row / 4, (text, tags[2 * k])
+                    seen += 1
+                with torch.no_grad():
+                    chosen, rejected, _ = module.pair_rewards(mb)
+                    terms, _ = module._terms(mb)
+                margins = torch.tensor(tags[0 : 2 * pair_count(mb) : 2])
+                want = RewardLoss().terms(chosen, rejected, margins).loss_sum
+                torch.testing.assert_close(terms.loss_sum, want, rtol=0, atol=0)
+                if margins.abs().sum() > 0:
+                    assert not torch.equal(terms.loss_sum, RewardLoss().terms(chosen, rejected).loss_sum)
+        assert seen == 24
+
+    def test_a_row_without_its_margin_is_a_bad_row(self, tmp_path, make_datamodule):
+        path = _margin_rows(tmp_path / "pairs.jsonl", skip=5)
+        source = {"path": str(path), "kind": "preference", "margin_key": "margin"}
+        with pytest.raises(DataError, match=r"pairs.jsonl:6: margin field 'margin' is None, not a number"):
+            make_datamodule(sources=[source]).setup("fit")
+        data = make_datamodule(sources=[{**source, "bad_rows": "drop"}])
+        data.setup("fit")
+        assert data.dropped_rows == {str(path): 1}
+
+    def test_margin_key_is_for_preference_sources(self, make_datamodule):
+        source = {"path": "tiny:sft_train.jsonl", "kind": "chat", "margin_key": "margin"}
+        with pytest.raises(DataError, match="margin_key applies to kind: preference only"):
+            make_datamodule(sources=[source]).setup("fit")
+
+    def test_preference_optimization_refuses_margins(self, tmp_path):
+        module = PreferenceModule(dict(PREFERENCE_MODEL))
+        data = XTLDataModule(
+            sources=[SourceSpec(str(_margin_rows(tmp_path / "p.jsonl")), kind="preference", margin_key="margin")],
+            tokenizer="tiny:",
+            cache_dir=str(tmp_path),
+        )
+        with pytest.raises(ConfigError, match=r"data.sources\[0\].margin_key: pair margins are read by reward"):
+            module._check_data_kinds(data)

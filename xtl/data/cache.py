@@ -7,8 +7,8 @@ Layout of one entry (``cache_dir/<source stem>-<key>/``)::
     loss_mask.bin    uint8, 1 where the token is a training target (labels == input_ids), else 0
     offsets.npy      int64 (num_samples + 1,), sample i is [offsets[i], offsets[i+1])
     rows.npy         int64 (num_samples,), the source row each sample came from
-    tags.npy         int8 (num_samples,), a tag per sample (only from a tokenize fn whose ``tagged`` is true: the
-                     label of an unpaired preference row)
+    tags.npy         int8 or float32 (num_samples,), a tag per sample (only from a tokenize fn whose ``tagged``
+                     is true: the label of an unpaired preference row, the margin of a preference pair)
 
 The key hashes (source content, tokenizer, tokenize-fn code and arguments). An entry is built in a temporary
 folder and renamed into place; a ``filelock`` lock makes concurrent builders (ranks, runs) build it once.
@@ -218,7 +218,7 @@ def _tokenize_range(bounds: tuple[int, int]) -> tuple[np.ndarray, ...]:
         (np.concatenate(mask_chunks) if mask_chunks else np.zeros(0, dtype=bool)).astype(np.uint8),
         np.asarray(lengths, dtype=np.int64),
         np.asarray(row_ids, dtype=np.int64),
-        np.asarray(tags, dtype=np.int8),
+        np.asarray(tags, dtype=fn.tag_dtype),
     )
 
 

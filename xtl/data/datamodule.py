@@ -511,6 +511,9 @@ class XTLDataModule(pl.LightningDataModule):
             misplaced = [s.path for s in specs if s.kind != PROMPT_KIND and (s.match or s.data_source)]
             if misplaced:
                 raise DataError(f"{key}: source {misplaced[0]}: match and data_source apply to kind: prompt only")
+            margins = [s.path for s in specs if s.margin_key is not None and s.kind != PREFERENCE_KIND]
+            if margins:
+                raise DataError(f"{key}: source {margins[0]}: margin_key applies to kind: preference only")
             paired = [k for k in kinds if k in PAIR_KINDS]
             if paired and len(kinds) > 1:
                 raise DataError(
@@ -557,6 +560,7 @@ class XTLDataModule(pl.LightningDataModule):
             eos_token=self.pretrain_eos_token,
             image_processor=self.image_processor,
             bad_rows=spec.bad_rows,
+            margin_key=spec.margin_key,
         )
         cache = build_cache(source, fn, self.cache_dir, num_proc=self.tokenize_workers, progress=self.progress)
         self._open_sources[cache.directory] = source

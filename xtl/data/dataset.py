@@ -67,7 +67,7 @@ class MixedDataset:
             if caches
             else np.zeros(0, dtype=np.int64)
         ).astype(np.int64)
-        # The tag of every mixed sample, when its caches keep tags (the labels of unpaired preference rows).
+        # The tag of every mixed sample, when its caches keep tags (unpaired rows' labels, preference pairs' margins).
         self.tags: np.ndarray | None = None
         if any(c.tags is not None for c in caches):
             self.tags = np.concatenate(
@@ -75,7 +75,7 @@ class MixedDataset:
                     np.asarray(c.tags)[s] if c.tags is not None else np.zeros(len(s), np.int8)
                     for c, s in zip(caches, sample_ids)
                 ]
-            ).astype(np.int8)
+            )  # int8 labels, or float32 margins (a source without margins: 0)
         # Where every mixed sample starts in the flat token arrays of its cache (for one-gather pack reads).
         self.token_base = (
             np.concatenate([np.asarray(c.offsets[:-1])[s] for c, s in zip(caches, sample_ids)])

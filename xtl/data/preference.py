@@ -156,8 +156,11 @@ class PreferenceTokenizeFn(TokenizeFn):
         template (str): Chat template (as for ``ChatTokenizeFn``).
         template_kwargs (dict | None): Template overrides (as for ``ChatTokenizeFn``).
         bad_rows (str): ``"error"`` raises :class:`BadRowError` naming the row's ``file:line`` for a row that cannot
-            form a pair (a missing or empty side, identical sides, a response without a supervised token);
-            ``"drop"`` yields no sample for it.
+            form a pair (a missing or empty side, identical sides, a response without a supervised token, a missing
+            or non-numeric margin); ``"drop"`` yields no sample for it.
+        margin_key (str | None): The row field holding the pair's margin (a number: reward modelling's
+            ``-log sigmoid(r_chosen - r_rejected - margin)``, TRL's ``margin`` column); both samples carry it as their
+            tag (``float32``). ``None``: no margin.
     """
 
     def __init__(
@@ -166,26 +169,36 @@ class PreferenceTokenizeFn(TokenizeFn):
         template: str = "qwen3",
         template_kwargs: dict[str, Any] | None = None,
         bad_rows: BadRowPolicy = "error",
+        margin_key: str | None = None,
     ) -> None:
         super().__init__(tokenizer)
         if bad_rows not in BAD_ROW_POLICIES:
             raise DataError(f"bad_rows must be 'error' or 'drop', got {bad_rows!r}")
         self.bad_rows = bad_rows
+        self.margin_key = margin_key
+        if margin_key is not None:
+            self.tagged, self.tag_dtype = True, np.float32
         self.chat = ChatTokenizeFn(tokenizer, template=template, template_kwargs=template_kwargs)
 
     def config(self) -> dict[str, Any]:
-        return {"chat": self.chat.config(), "bad_rows": self.bad_rows}
+        config = {"chat": self.chat.config(), "bad_rows": self.bad_rows}
+        if self.margin_key is not None:  # keys of caches without margins stay as they were
+            config["margin_key"] = self.margin_key
+        return config
 
     def batch_arrays(self, rows: list[dict[str, Any] | None], locate: Locator) -> list[list[SampleArrays]]:
         out: list[list[SampleArrays]] = [[] for _ in rows]
         bad: dict[int, BadRowError] = {}  # raised for the first bad row in file order (policy "error")
         owners: list[int] = []
         sides: list[dict[str, Any]] = []
+        margins: dict[int, float] = {}
         for i, row in enumerate(rows):
             if row is None:
                 continue
             try:
                 pair = parse_preference_row(row, locate(i))
+                if self.margin_key is not None:
+                    margins[i] = _margin(row, self.margin_key, locate(i))
             except BadRowError as err:
                 bad[i] = err
                 continue
@@ -197,7 +210,7 @@ class PreferenceTokenizeFn(TokenizeFn):
             (chosen,), (rejected,) = encoded[2 * k], encoded[2 * k + 1]
             problem = _pair_problem(chosen, rejected)
             if problem is None:
-                out[i] = [chosen, rejected]
+                out[i] = [chosen, rejected] if i not in margins else [(*chosen, margins[i]), (*rejected, margins[i])]
             else:
                 bad[i] = BadRowError(f"{locate(i)}: {problem}: {FIX}")
         if bad and self.bad_rows == "error":
@@ -290,3 +303,11 @@ def _pair_problem(chosen: SampleArrays, rejected: SampleArrays) -> str | None:
         if not mask.any():
             return f"the {name!r} response has no supervised token (no assistant turn with loss)"
     return None
+
+
+def _margin(row: dict[str, Any], key: str, location: str) -> float:
+    """The pair's margin from ``row[key]`` (a finite number)."""
+    value = row.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not np.isfinite(value):
+        raise BadRowError(f"{location}: margin field {key!r} is {value!r}, not a number (margin_key: {key}): {FIX}")
+    return float(value)

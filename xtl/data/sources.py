@@ -58,6 +58,9 @@ class SourceSpec:
             expression.
         data_source (str | None): ``kind="prompt"`` only: the rows' data source when a row names none (judgers
             route on it; default: the display name).
+        margin_key (str | None): ``kind="preference"`` only, for reward modelling: the row field holding the pair's
+            margin (a number; the pair's loss is ``-log sigmoid(r_chosen - r_rejected - margin)``, TRL's ``margin``
+            column). A row without it is a bad row (``bad_rows``).
     """
 
     path: str
@@ -73,6 +76,7 @@ class SourceSpec:
     bad_rows: BadRowPolicy = "error"
     match: str | None = None
     data_source: str | None = None
+    margin_key: str | None = None
 
     @property
     def display_name(self) -> str:

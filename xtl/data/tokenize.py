@@ -29,8 +29,8 @@ from xtl.data.templates import HF_TEMPLATE, ChatTemplate, Rendered, get_template
 
 Locator = Callable[[int], str]
 SampleArrays = tuple[np.ndarray, np.ndarray]
-# A sample may carry a third element, a small integer tag stored per sample (``tags.npy`` of the cache; the label of
-# an unpaired preference row): ``(ids, mask, tag)``.
+# A sample may carry a third element, a tag stored per sample (``tags.npy`` of the cache; the label of an unpaired
+# preference row, the margin of a preference pair): ``(ids, mask, tag)``.
 
 _GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
@@ -43,9 +43,11 @@ class TokenizeFn(ABC):
 
     Attributes:
         tagged (bool): Whether the samples carry a tag (``(ids, mask, tag)``), stored with the cache.
+        tag_dtype (type): The numpy type the tags are stored as (``int8`` labels; ``float32`` preference margins).
     """
 
     tagged: bool = False
+    tag_dtype: type = np.int8
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
         backend = getattr(tokenizer, "backend_tokenizer", None)

@@ -31,6 +31,7 @@ def build_tokenize_fn(
     image_processor: Any = None,
     image_root: str | None = None,
     bad_rows: str = "error",
+    margin_key: str | None = None,
 ) -> TokenizeFn:
     """Build the tokenize function for a source kind.
 
@@ -49,6 +50,7 @@ def build_tokenize_fn(
         image_root (str | None): ``vlm_chat`` only: folder of relative image paths (default: the JSONL's folder).
         bad_rows (str): ``preference`` and ``unpaired_preference`` only: ``"error"`` or ``"drop"`` for rows that
             cannot be used.
+        margin_key (str | None): ``preference`` only: the row field holding each pair's margin.
 
     Returns:
         TokenizeFn: The function.
@@ -70,8 +72,13 @@ def build_tokenize_fn(
             template_kwargs=template_kwargs,
         )
     if kind in (PREFERENCE_KIND, UNPAIRED_KIND):
-        cls = PreferenceTokenizeFn if kind == PREFERENCE_KIND else UnpairedPreferenceTokenizeFn
-        return cls(tokenizer, template=template, template_kwargs=template_kwargs, bad_rows=bad_rows)  # type: ignore[arg-type]
+        if kind == UNPAIRED_KIND:
+            return UnpairedPreferenceTokenizeFn(
+                tokenizer, template=template, template_kwargs=template_kwargs, bad_rows=bad_rows  # type: ignore[arg-type]
+            )
+        return PreferenceTokenizeFn(
+            tokenizer, template=template, template_kwargs=template_kwargs, bad_rows=bad_rows, margin_key=margin_key  # type: ignore[arg-type]
+        )
     raise DataError(
         f"unknown source kind {kind!r}; use 'chat' (messages), 'text' (pretraining), 'preference' (chosen/rejected "
         "pairs), 'unpaired_preference' (responses labeled good or bad) or 'vlm_chat'"

@@ -371,6 +371,12 @@ class PreferenceModule(PairMetrics, LanguageModule):
             other = sorted({spec.kind for spec in specs} - {want})
             if other:
                 raise ConfigError(_kind_mismatch(self.objective.loss_type, f"{key} has kind: {other[0]};"))
+            for i, spec in enumerate(specs):
+                if spec.margin_key is not None:
+                    raise ConfigError(
+                        f"{key}[{i}].margin_key: pair margins are read by reward modelling (xtl.train.RewardModule); "
+                        f"{self.objective.loss_type} has no margin: remove it"
+                    )
 
 
 def _pair_logps(

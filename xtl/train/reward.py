@@ -201,7 +201,7 @@ class RewardModule(PairMetrics, LanguageModule):
 
     def _terms(self, mb: MicroBatch) -> tuple[RewardTerms, ModelOutput]:
         chosen, rejected, output = self.pair_rewards(mb)
-        return self.objective.terms(chosen, rejected), output
+        return self.objective.terms(chosen, rejected, pair_margins(mb, chosen)), output
 
     def _check_data_kinds(self, datamodule: XTLDataModule) -> None:
         """Refuse training and held-out sets that are not preference pairs."""
@@ -214,3 +214,11 @@ class RewardModule(PairMetrics, LanguageModule):
                     f"{key} has kind: {other[0]}; RewardModule trains on chosen/rejected pairs: set kind: "
                     f"{PREFERENCE_KIND} on the sources"
                 )
+
+
+def pair_margins(mb: MicroBatch, like: torch.Tensor) -> torch.Tensor | None:
+    """The margin of every pair of a micro-batch (``margin_key`` sources: each document's tag; ``None`` without
+    margins), as ``like``'s dtype and device."""
+    if mb.doc_tags is None:
+        return None
+    return torch.tensor(mb.doc_tags[0 : 2 * pair_count(mb) : 2], dtype=like.dtype, device=like.device)
