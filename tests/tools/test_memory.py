@@ -246,6 +246,19 @@ class TestModelResolution:
         )
         assert p["experts"] == sum(t.numel() for k, t in tensors.items() if ".experts." in k)
 
+    def test_a_reward_model_counts_its_scalar_head(self) -> None:
+        """A ``*ForSequenceClassification`` config with one label (a reward export): the head is one row, not the
+        vocabulary, and the counts equal the built model's tensors."""
+        fields = {**_TINY, **TINY_HF_CONFIGS["qwen3"], "architectures": ["Qwen3ForSequenceClassification"]}
+        fields.update(num_labels=1, tie_word_embeddings=False)
+        dims = model_dims(fields)
+        assert dims.head_outputs == 1 and dims.head_params() == 2 * dims.hidden_size
+        cls = MODEL_TYPES[fields["model_type"]]
+        with torch.device("meta"):
+            model = cls.from_hf_config(cls.hf_config_class.from_dict(fields)).build()
+        tensors = model.checkpoint_tensors()
+        assert dims.parameter_counts()["total"] == sum(t.numel() for t in tensors.values())
+
     def test_mtp_depths_count_their_weights_flops_and_memory(self) -> None:
         config = get_model_config("deepseek-v3")
         plain, mtp = ModelDims.from_config(config), ModelDims.from_config(replace(config, mtp_layers=1))

@@ -61,6 +61,8 @@ class ModelDims:
         mtp_layers: Multi-token-prediction depths trained with the model (DeepSeek-V3 ``mtp_layers``); depth ``k``
             is a decoder layer of index ``num_layers + k`` plus two input norms, the ``2h -> h`` projection and an
             output norm, and runs the shared LM head once more.
+        head_outputs: Outputs of the head: 0 for an LM head (``vocab_size``); the labels of a sequence-classification
+            head (a reward model's scalar head: 1), never tied to the embedding.
         name: Display name.
     """
 
@@ -91,6 +93,7 @@ class ModelDims:
     expert_bias: bool = False
     sliding_windows: tuple[int | None, ...] = ()
     mtp_layers: int = 0
+    head_outputs: int = 0
     name: str = "model"
 
     @classmethod
@@ -123,6 +126,7 @@ class ModelDims:
             mlp_bias=config.mlp_bias,
             sliding_windows=windows if any(w is not None for w in windows) else (),
             mtp_layers=config.mtp_layers,
+            head_outputs=config.num_labels or 0,
             name=name or type(config).__name__,
             **_mla_fields(config),
             **_moe_fields(config),
@@ -166,7 +170,10 @@ class ModelDims:
         return self.vocab_size * self.hidden_size
 
     def head_params(self) -> int:
-        """int: Final norm plus LM head (the head weight is not counted again when tied to the embedding)."""
+        """int: Final norm plus the head: the LM head (its weight not counted again when tied to the embedding), or a
+        sequence-classification head of ``head_outputs`` rows."""
+        if self.head_outputs:
+            return self.hidden_size + self.head_outputs * self.hidden_size
         return self.hidden_size + (0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size)
 
     def attention_params(self) -> int:
@@ -276,7 +283,7 @@ class ModelDims:
         """int: Activated parameters a token is multiplied with: all but the embedding, the LM head even when tied,
         and once more per MTP depth."""
         counts = self.parameter_counts()
-        tied_head = self.vocab_size * self.hidden_size if self.tie_word_embeddings else 0
+        tied_head = self.vocab_size * self.hidden_size if self.tie_word_embeddings and not self.head_outputs else 0
         return (
             counts["activated"]
             - counts["embedding"]
