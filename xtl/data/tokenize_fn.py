@@ -74,10 +74,17 @@ def build_tokenize_fn(
     if kind in (PREFERENCE_KIND, UNPAIRED_KIND):
         if kind == UNPAIRED_KIND:
             return UnpairedPreferenceTokenizeFn(
-                tokenizer, template=template, template_kwargs=template_kwargs, bad_rows=bad_rows  # type: ignore[arg-type]
+                tokenizer,
+                template=template,
+                template_kwargs=template_kwargs,
+                bad_rows=bad_rows,  # type: ignore[arg-type]
             )
         return PreferenceTokenizeFn(
-            tokenizer, template=template, template_kwargs=template_kwargs, bad_rows=bad_rows, margin_key=margin_key  # type: ignore[arg-type]
+            tokenizer,
+            template=template,
+            template_kwargs=template_kwargs,
+            bad_rows=bad_rows,
+            margin_key=margin_key,  # type: ignore[arg-type]
         )
     raise DataError(
         f"unknown source kind {kind!r}; use 'chat' (messages), 'text' (pretraining), 'preference' (chosen/rejected "
