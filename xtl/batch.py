@@ -37,6 +37,8 @@ class SequenceContext:
             position in the whole pack of its first token; 0 otherwise.
         pack_input_ids: For a context-parallel share, the whole pack's token ids ``(1, pack_len)``, for models whose
             inputs depend on the whole sequence (M-RoPE positions, image placeholders); ``None`` otherwise.
+        pack_labels: For a context-parallel share, the whole pack's shifted labels ``(1, pack_len)``, for heads that
+            score tokens past the share's end (multi-token prediction); ``None`` otherwise.
     """
 
     input_ids: torch.Tensor | None
@@ -50,6 +52,7 @@ class SequenceContext:
     loss_positions: torch.Tensor | None = None
     share_start: int = 0
     pack_input_ids: torch.Tensor | None = None
+    pack_labels: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.doc_bounds is None and self.cu_seq_lens is not None and self.cu_seq_lens.device.type == "cpu":
@@ -142,6 +145,7 @@ class SequenceContext:
             inputs_embeds=apply(self.inputs_embeds),
             loss_positions=apply(self.loss_positions),
             pack_input_ids=apply(self.pack_input_ids),
+            pack_labels=apply(self.pack_labels),
             extras={k: apply(v) if isinstance(v, torch.Tensor) else v for k, v in self.extras.items()},
         )
 

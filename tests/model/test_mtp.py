@@ -1,27 +1,31 @@
 """DeepSeek-V3 multi-token prediction: the depth against transformers' ``MtpModel``, the per-document shift and loss
-mask, the checkpoint round trip of the MTP layer, and MTP off leaving the model as it was."""
+mask, the checkpoint round trip of the MTP layer, MTP off leaving the model as it was, and 2 context-parallel ranks
+training the depths as one process does."""
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 from transformers.modeling_layers import MtpModel
 
 from xtl.callbacks import ActivationCheckpointing
-from xtl.data.collate import collate_pack
+from xtl.data.collate import collate_pack, split_for_context_parallel
 from xtl.data.packing import Pack
 from xtl.model import SequenceContext, get_model_config_from_hf
 from xtl.model.hf import CheckpointError, CheckpointReader
 from xtl.model.moe import DeepSeekV3Config
-from xtl.module.mtp import MTPBlock, mtp_target_counts, shift_within_documents
+from xtl.module.mtp import MTPBlock, mtp_target_counts, shift_in_pack, shift_within_documents, shifted_targets
 from xtl.ops import AttentionMaskSpec
+from xtl.train.family import DataRanks, MTPLosses
 
 from .test_moe_parity import _COMMON, MOE_VARIANTS, save_tiny_moe
 
@@ -149,6 +153,35 @@ def reference_mtp_losses(model, mb) -> tuple[list[float], list[int]]:
                     sums[depth - 1] += float(F.cross_entropy(logits[t], torch.tensor(target)))
                     counts[depth - 1] += 1
     return sums, counts
+
+
+class TestShiftInPack:
+    @pytest.mark.parametrize("size", [2, 3])
+    @pytest.mark.parametrize("shift", [1, 2, 3])
+    def test_shares_give_the_whole_packs_shift(self, size, shift):
+        """Cut into shares, the shift of the pack's ids and labels is the whole pack's, cut: a share's last positions
+        read the next share's values, and documents (one of 5 tokens across the cut at 24) are the pack's."""
+        mb = pack([9, 13, 5, 20], supervised_tail=5)  # 47 tokens: padded to a multiple of the shares
+        shares = [split_for_context_parallel(mb, rank, size) for rank in range(size)]
+        whole = split_for_context_parallel(mb, 0, 1)
+        positions = whole.seq_ctx.position_ids
+        want_ids = shift_within_documents(whole.seq_ctx.input_ids, positions, shift, fill=-1)
+        want_labels = shift_within_documents(whole.labels, positions, shift, fill=-100)
+        got_ids = torch.cat([shift_in_pack(s.seq_ctx.pack_input_ids, s.seq_ctx, shift, -1) for s in shares], 1)
+        got_labels = torch.cat(
+            [shifted_targets(s.labels, s.seq_ctx.position_ids, shift, s.seq_ctx) for s in shares], 1
+        )
+        length = want_ids.shape[1]  # the shares' padding (one token for 2 shares) has no token ahead
+        assert torch.equal(got_ids[:, :length], want_ids) and (got_ids[:, length:] == -1).all()
+        assert torch.equal(got_labels[:, :length], want_labels) and (got_labels[:, length:] == -100).all()
+        counts = sum(mtp_target_counts(s.labels, s.seq_ctx.position_ids, 3, s.seq_ctx) for s in shares)
+        assert counts.tolist() == reference_counts(mb, 3)
+
+    def test_a_share_without_the_packs_labels_is_refused(self):
+        share = split_for_context_parallel(pack([9, 14]), 0, 2)
+        share.seq_ctx.pack_labels = None
+        with pytest.raises(ValueError, match="needs the whole pack's labels"):
+            shifted_targets(share.labels, share.seq_ctx.position_ids, 1, share.seq_ctx)
 
 
 class TestShiftWithinDocuments:
@@ -318,3 +351,84 @@ class TestMTPCheckpoint:
         model.save_hf(tmp_path / "out")
         saved = set(CheckpointReader(tmp_path / "out").keys())
         assert saved == {k for k in source if not k.startswith(MTP)}
+
+
+# packs whose documents cross the split, so that the last positions of rank 0 read tokens and score labels of rank 1:
+# dense labels (the head runs on every row; a document of 5 tokens across the split at 24), and sparse ones (the
+# supervised rows only; each document's last 12 tokens labelled, one document's ending 10 positions after the split)
+CP_PACKS = {"dense": ([9, 13, 5, 20], None), "sparse": ([40, 125, 145], 12)}
+# fp32, the same sums split over 2 ranks (Ulysses all-to-all, gradients added over the ranks): measured <= 1e-7
+# relative on the MTP losses, <= 7.3e-6 relative on gradients of magnitude >= 1e-3 and <= 3e-8 absolute on all
+CP_TOL = {"rtol": 1e-5, "atol": 1e-6}
+
+
+@pytest.fixture(scope="module")
+def cp_mtp_results(tmp_path_factory) -> list[dict]:
+    """Each rank's logged MTP losses, counts and averaged gradients, per pack, from one spawn of 2 processes."""
+    from tests.strategies.test_context_parallel import spawned_results
+
+    return spawned_results(_cp_mtp_worker, tmp_path_factory.mktemp("cp_mtp"))
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", sorted(CP_PACKS))
+class TestMTPContextParallel:
+    """2 context-parallel ranks (one pack split in two shares, Ulysses attention) train the MTP depths as one
+    process trains the whole pack: logged ``mtp_loss_<k>``, counts, and every gradient of the step's loss (next-token
+    plus MTP term, averaged over the ranks as FSDP reduces them)."""
+
+    def test_losses_counts_and_gradients_equal_one_process(self, cp_mtp_results, name):
+        mb = pack(*CP_PACKS[name])
+        assert (mb.seq_ctx.loss_positions is not None) == (name == "sparse")
+        end = split_for_context_parallel(mb, 0, 2).seq_ctx.seq_len
+        tails = [shift_within_documents(mb.labels, mb.seq_ctx.position_ids, k, -100)[0, end - k : end] for k in (1, 2)]
+        assert any((tail != -100).any() for tail in tails), "rank 0's last positions score labels of rank 1"
+        want = _mtp_step(initialized(tiny_config(mtp_layers=2)), mb, DataRanks(1, lambda t: t))
+        assert want["counts"].tolist() == reference_counts(mb, 2) and min(want["counts"]) > 0
+        for rank, results in enumerate(cp_mtp_results):
+            got = results[name]
+            assert got["rows"] == (name == "sparse"), "the share's head runs on its supervised rows"
+            assert torch.equal(got["counts"], want["counts"]), rank
+            assert torch.equal(got["scored"], want["counts"]), "the shares' scored positions add up to the pack's"
+            for k in (1, 2):
+                key = f"mtp_loss_{k}"
+                torch.testing.assert_close(got["logged"][key], want["logged"][key], **CP_TOL, msg=f"{rank} {key}")
+            assert got["grads"].keys() == want["grads"].keys() and "mtp.1.eh_proj.weight" in want["grads"]
+            for key, grad in want["grads"].items():
+                message = f"rank {rank} {key}"
+                torch.testing.assert_close(got["grads"][key], grad, **CP_TOL, msg=lambda m, n=message: f"{n}: {m}")
+
+
+def _mtp_step(model, mb, ranks: DataRanks) -> dict:
+    """One step of ``model`` on ``mb`` as ``LanguageModule`` takes it: the next-token loss over the ranks' tokens plus
+    :class:`MTPLosses`' term, both scaled by the ranks (the gradient reduction averages them); the logged losses,
+    the step's counts, the positions this rank scored (summed over the ranks) and the gradients (averaged)."""
+    losses = MTPLosses(2, 0.3)
+    losses.start_step(1, torch.device("cpu"))
+    losses.count_step([mb], ranks)
+    out = model(seq_ctx=mb.seq_ctx, labels=mb.labels, return_logits=False)
+    tokens = ranks.sum(torch.tensor(float(mb.num_tokens)))
+    (out.loss_sum / tokens * ranks.size + losses.extra_loss(out, ranks)).backward()
+    losses.after_optimizer_step(model, [out.extras], torch.ones(()), ranks)
+    grads = {}
+    for key, param in model.named_parameters():
+        if param.grad is not None:
+            grads[key] = ranks.sum(param.grad.clone()) / ranks.size
+    scored = ranks.sum(out.extras["mtp_num_tokens"].clone())
+    return {"logged": losses.step_metrics(), "counts": losses._tokens.long(), "scored": scored, "grads": grads}
+
+
+def _cp_mtp_worker(rank: int, port: int, out_path: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    ranks = DataRanks(2, lambda t: (dist.all_reduce(t), t)[1])
+    results = {}
+    for name, (lengths, tail) in CP_PACKS.items():
+        model = initialized(tiny_config(mtp_layers=2))
+        for module in model.attention_modules():  # the MTP depths' attention too
+            module.use_context_parallel(dist.group.WORLD)
+        share = split_for_context_parallel(pack(lengths, tail), rank, 2)
+        results[name] = {**_mtp_step(model, share, ranks), "rows": share.seq_ctx.loss_positions is not None}
+    torch.save(results, f"{out_path}.{rank}")
+    dist.destroy_process_group()

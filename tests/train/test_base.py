@@ -289,7 +289,8 @@ class TestPrecision:
 
 class TestContextParallelDeclarations:
     """What ``LanguageModule`` declares under context parallelism (asked once at startup by the strategy):
-    next-token training, validation and test run; the decoding of ``predict`` and multi-token prediction do not."""
+    next-token training (with multi-token prediction), validation and test run; the decoding of ``predict`` does
+    not."""
 
     CP2 = ParallelLayout(dp_shard=2, cp=2)
 
@@ -302,12 +303,10 @@ class TestContextParallelDeclarations:
         ):
             check_context_parallel(self.CP2, [module], "predict")
 
-    def test_multi_token_prediction_is_refused(self):
+    def test_multi_token_prediction_runs(self):
+        """A share scores its last positions on the next share's tokens and labels (tests/model/test_mtp.py)."""
         (mla,) = [family.model for family in FAMILIES if family.name == "mla"]
-        module = LanguageModule({**mla, "mtp_layers": 1})
-        message = r"but mtp_layers: multi-token prediction shifts tokens across context-parallel shares \(set mtp_"
-        with pytest.raises(ConfigError, match=message):
-            check_context_parallel(self.CP2, [module], "fit")
+        check_context_parallel(self.CP2, [LanguageModule({**mla, "mtp_layers": 1})], "fit")
 
     def test_an_objective_declares_per_instance(self):
         """An objective whose refusal depends on its settings (e.g. a mode computed whole packs per rank) declares

@@ -156,9 +156,10 @@ def split_for_context_parallel(batch: MicroBatch, rank: int, size: int, pad_toke
     ``r`` keeps run ``r``. Positions are those of the whole pack (computed before the cut), labels are cut the same
     way, so the supervised tokens of all shares are exactly those of the pack. The document boundaries
     (``cu_seq_lens``, ``doc_bounds``, ``max_seq_len``) stay those of the whole pack: attention gathers the whole
-    sequence (:class:`xtl.ops.ulysses.UlyssesAttention`). The share keeps its offset (``share_start``) and the whole
-    pack's ids (``pack_input_ids``), and a vision pack's images whole: a vision-language model computes M-RoPE
-    positions over the whole pack and keeps the image features of its own placeholders.
+    sequence (:class:`xtl.ops.ulysses.UlyssesAttention`). The share keeps its offset (``share_start``), the whole
+    pack's ids and labels (``pack_input_ids``, ``pack_labels``), and a vision pack's images whole: a vision-language
+    model computes M-RoPE positions over the whole pack and keeps the image features of its own placeholders, and
+    multi-token prediction reads the tokens and labels just past the share's end.
 
     Args:
         batch (MicroBatch): A collated micro-batch, on the host.
@@ -198,5 +199,6 @@ def split_for_context_parallel(batch: MicroBatch, rank: int, size: int, pad_toke
         loss_positions=torch.from_numpy(rows) if rows is not None else None,
         share_start=start,
         pack_input_ids=input_ids,
+        pack_labels=labels,
     )
     return MicroBatch(local, local_labels, int(supervised.size), real, batch.pack_index, batch.doc_tags)

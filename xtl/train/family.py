@@ -23,7 +23,7 @@ from xtl.errors import ConfigError
 from xtl.model import BaseModel, ModelOutput, TransformerConfig
 from xtl.module.mtp import mtp_target_counts
 from xtl.ops.moe_loss import balance_loss, z_loss
-from xtl.strategies.capability import ContextParallelFeature, Refusal
+from xtl.strategies.capability import ContextParallelFeature
 
 
 @dataclass(frozen=True)
@@ -187,6 +187,11 @@ class MTPLosses(FamilyTraining):
     unchanged. The term added to the training loss is ``weight`` times the mean over depths. Logged each step:
     ``train/mtp_loss_<k>`` (``train/loss`` stays the next-token loss).
 
+    Under context parallelism each rank scores its share's positions, the last ``k`` of them on the next share's
+    tokens and labels, which the share carries (:func:`~xtl.module.mtp.shifted_targets`); the counts and sums are
+    added over the data group, which holds the context-parallel ranks, so the step's losses are those of the whole
+    packs.
+
     Args:
         depths: MTP depths of the model.
         weight: The config's ``mtp_loss_weight``.
@@ -199,12 +204,6 @@ class MTPLosses(FamilyTraining):
         self._sums: torch.Tensor | None = None
         self._log: dict[str, torch.Tensor] = {}
 
-    def context_parallel_refusal(self, stage: str) -> Refusal | None:
-        """Refused under context parallelism: a depth's targets lie tokens ahead, across the split of a sequence."""
-        return Refusal(
-            "mtp_layers: multi-token prediction shifts tokens across context-parallel shares", "set mtp_layers to 0"
-        )
-
     def start_step(self, num_micro_batches: int, device: torch.device) -> None:
         """Reset the step's loss sums."""
         self._sums = torch.zeros(self.depths, device=device)
@@ -214,7 +213,7 @@ class MTPLosses(FamilyTraining):
         """The positions each depth scores in the step, summed over the micro-batches and the data ranks."""
         counts = torch.zeros(self.depths, device=self._sums.device)
         for mb in micro_batches:
-            counts += mtp_target_counts(mb.labels, mb.seq_ctx.position_ids, self.depths).to(counts.device)
+            counts += mtp_target_counts(mb.labels, mb.seq_ctx.position_ids, self.depths, mb.seq_ctx).to(counts.device)
         self._tokens = ranks.sum(counts)
 
     def extra_loss(self, output: ModelOutput, ranks: DataRanks) -> torch.Tensor | None:

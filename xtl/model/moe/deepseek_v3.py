@@ -10,13 +10,14 @@ import torch
 from torch import nn
 from transformers import DeepseekV3Config
 
+from xtl.batch import SequenceContext
 from xtl.model.dense.dense import ExtraHeadInputs
 from xtl.model.hf.errors import CheckpointError
 from xtl.model.moe.config import MoEConfig
 from xtl.model.moe.moe import MoE, router_token_mask
 from xtl.module.mla import MultiLatentAttention
 from xtl.module.moe_block import MoEBlock
-from xtl.module.mtp import MTPBlock, shift_within_documents
+from xtl.module.mtp import MTPBlock, shift_in_pack, shift_within_documents, shifted_targets
 from xtl.module.rope import RopeConfig
 from xtl.module.router import NoAuxTopKRouter, Router
 from xtl.ops.cross_entropy import IGNORE_INDEX
@@ -184,18 +185,17 @@ class DeepSeekV3(MoE):
         if inputs.targets is None:
             return self._with_mtp_router_rows(extras, [None] * len(routed))
         token_mask = router_token_mask(hidden, inputs.attention_mask, inputs.seq_ctx)
+        share = inputs.seq_ctx if inputs.seq_ctx is not None and inputs.seq_ctx.pack_input_ids is not None else None
         stats, loss_sums, counts = [], [], []
         for depth, block in enumerate(self.mtp, start=1):
-            embeds = shift_within_documents(inputs.embeds, inputs.position_ids, depth)
+            embeds = self._mtp_embeds(inputs, share, depth)
             hidden, routing = block(hidden, embeds, inputs.position_embeddings, inputs.mask)
             if routing is not None:
                 stats.append(router_statistics(routing.logits, routing.probs, routing.topk_ids, token_mask))
-            targets = shift_within_documents(inputs.targets, inputs.position_ids, depth, IGNORE_INDEX)
+            targets = shifted_targets(inputs.targets, inputs.position_ids, depth, share)
             scored = hidden
             if inputs.rows is not None:  # the rows whose target `depth` tokens later is supervised, and fillers
-                rows = inputs.rows - depth
-                rows = torch.where(rows >= 0, rows, hidden.shape[1] - 1)  # the last position never has a target
-                scored, targets = hidden.index_select(1, rows), targets.index_select(1, rows)
+                scored, targets = self._mtp_rows(hidden, targets, inputs.rows, depth, share is not None)
             _, _, loss_sum, num_tokens = self.head_loss(scored, targets, False)
             loss_sums.append(loss_sum.float())
             counts.append(num_tokens)
@@ -203,6 +203,34 @@ class DeepSeekV3(MoE):
         if loss_sums:
             extras = {**extras, "mtp_loss_sum": torch.stack(loss_sums), "mtp_num_tokens": torch.stack(counts)}
         return extras
+
+    def _mtp_embeds(self, inputs: ExtraHeadInputs, share: SequenceContext | None, depth: int) -> torch.Tensor:
+        """The embedding of token ``t + depth`` at each position ``t`` (zeros where it is in another document); a
+        context-parallel share embeds the tokens past its end from the whole pack's ids."""
+        if share is None:
+            return shift_within_documents(inputs.embeds, inputs.position_ids, depth)
+        ids = shift_in_pack(share.pack_input_ids, share, depth, fill=-1)
+        embeds = self.embed_tokens(ids.clamp(min=0))
+        return torch.where((ids >= 0)[..., None], embeds, embeds.new_zeros(()))
+
+    @staticmethod
+    def _mtp_rows(
+        hidden: torch.Tensor, targets: torch.Tensor, rows: torch.Tensor, depth: int, share: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The hidden states and targets of the positions depth ``depth`` can score, from the supervised ``rows``.
+
+        Position ``t`` scores the label of ``t + depth``, so the candidates are ``rows - depth``; one before the
+        start is a filler with no target. On one process (or a whole pack) fillers become the last position, which
+        never has a target; a context-parallel share's last ``depth`` positions score labels of the next share (not
+        in ``rows``), so a share adds them and masks its fillers' targets instead.
+        """
+        rows, length = rows - depth, hidden.shape[1]
+        if not share:
+            rows = torch.where(rows >= 0, rows, length - 1)  # the last position never has a target
+            return hidden.index_select(1, rows), targets.index_select(1, rows)
+        rows = torch.cat([rows, torch.arange(max(length - depth, 0), length, device=rows.device)])
+        picked = targets.index_select(1, rows.clamp(min=0))
+        return hidden.index_select(1, rows.clamp(min=0)), torch.where(rows >= 0, picked, IGNORE_INDEX)
 
     def _with_mtp_router_rows(
         self, extras: dict[str, torch.Tensor], stats: list[tuple[torch.Tensor, ...] | None]
