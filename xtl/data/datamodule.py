@@ -561,6 +561,7 @@ class XTLDataModule(pl.LightningDataModule):
             image_processor=self.image_processor,
             bad_rows=spec.bad_rows,
             margin_key=spec.margin_key,
+            images=self.model_reads_images,
         )
         cache = build_cache(source, fn, self.cache_dir, num_proc=self.tokenize_workers, progress=self.progress)
         self._open_sources[cache.directory] = source
@@ -569,7 +570,7 @@ class XTLDataModule(pl.LightningDataModule):
             self.dropped_rows[resolved.path] = dropped
             if dropped:
                 log.info("xtl data: %s: %d bad preference rows dropped (bad_rows: drop)", resolved.path, dropped)
-        if kind == "vlm_chat":
+        if kind == "vlm_chat" or (kind in PAIR_KINDS and self.model_reads_images):  # prompts with images
             from xtl.data.multimodal import load_image_index
 
             self._image_indexes[cache.directory] = load_image_index(cache, source, fn)

@@ -15,11 +15,18 @@ pair yields an error or, with ``bad_rows: drop``, no sample. Mixing (:class:`xtl
 ``pairs=True``) and packing (:func:`xtl.data.packing.best_fit_pack` with ``pairs=True``) keep every pair whole, so a
 preference micro-batch holds documents chosen, rejected, chosen, rejected, ... (pair ``k`` = documents ``2k`` and
 ``2k + 1``).
+
+Images: for a vision-language model (``image_processor`` given) the prompt's messages may hold image parts
+(``{"type": "image", "image": path}``, as ``kind: chat`` rows of :mod:`xtl.data.multimodal`); both sides are encoded by
+:class:`~xtl.data.multimodal.VisionChatTokenizeFn`, so each sample of the pair holds its own copy of the image
+placeholders, and :meth:`PreferenceTokenizeFn.image_index` gives both samples the prompt's images (the sidecar of
+:func:`~xtl.data.multimodal.load_image_index`). A response that holds an image is refused.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -28,6 +35,7 @@ from transformers import PreTrainedTokenizerBase
 import xtl.data.templates as _templates_module
 from xtl.data.cache import TokenizedCache
 from xtl.data.item import DataError
+from xtl.data.multimodal import ImageProcessorConfig, SampleImages, VisionChatTokenizeFn
 from xtl.data.packing import PackPlan
 from xtl.data.sources import BadRowPolicy
 from xtl.data.tokenize import ChatTokenizeFn, Locator, SampleArrays, TokenizeFn
@@ -161,6 +169,10 @@ class PreferenceTokenizeFn(TokenizeFn):
         margin_key (str | None): The row field holding the pair's margin (a number: reward modelling's
             ``-log sigmoid(r_chosen - r_rejected - margin)``, TRL's ``margin`` column); both samples carry it as their
             tag (``float32``). ``None``: no margin.
+        image_processor (ImageProcessorConfig | None): A vision-language model's image settings: the prompts may
+            hold image parts (placeholders expanded as :class:`~xtl.data.multimodal.VisionChatTokenizeFn` does).
+            ``None``: text only.
+        image_root (str | Path | None): Folder of relative image paths (default: the JSONL file's folder).
     """
 
     def __init__(
@@ -170,6 +182,8 @@ class PreferenceTokenizeFn(TokenizeFn):
         template_kwargs: dict[str, Any] | None = None,
         bad_rows: BadRowPolicy = "error",
         margin_key: str | None = None,
+        image_processor: ImageProcessorConfig | None = None,
+        image_root: str | Path | None = None,
     ) -> None:
         super().__init__(tokenizer)
         if bad_rows not in BAD_ROW_POLICIES:
@@ -178,7 +192,13 @@ class PreferenceTokenizeFn(TokenizeFn):
         self.margin_key = margin_key
         if margin_key is not None:
             self.tagged, self.tag_dtype = True, np.float32
-        self.chat = ChatTokenizeFn(tokenizer, template=template, template_kwargs=template_kwargs)
+        self.images = image_processor is not None
+        if image_processor is None:
+            self.chat = ChatTokenizeFn(tokenizer, template=template, template_kwargs=template_kwargs)
+        else:
+            self.chat = VisionChatTokenizeFn(
+                tokenizer, image_processor, image_root, template=template, template_kwargs=template_kwargs
+            )
 
     def config(self) -> dict[str, Any]:
         config = {"chat": self.chat.config(), "bad_rows": self.bad_rows}
@@ -197,6 +217,7 @@ class PreferenceTokenizeFn(TokenizeFn):
                 continue
             try:
                 pair = parse_preference_row(row, locate(i))
+                self._check_response_images({name: getattr(pair, name) for name in SIDES}, locate(i))
                 if self.margin_key is not None:
                     margins[i] = _margin(row, self.margin_key, locate(i))
             except BadRowError as err:
@@ -217,8 +238,64 @@ class PreferenceTokenizeFn(TokenizeFn):
             raise bad[min(bad)]
         return out
 
+    def image_index(self, row: dict[str, Any], location: str) -> SampleImages:
+        """The images of each sample of a row: its prompt's (both samples hold them), paths resolved and grids read
+        from the image headers (:func:`~xtl.data.multimodal.load_image_index` calls it per sample).
+
+        Args:
+            row (dict): The raw record.
+            location (str): ``file:line`` of the record.
+
+        Returns:
+            SampleImages: The prompt's images, in order.
+
+        Raises:
+            DataError: The function reads no images (no ``image_processor``).
+        """
+        return self._prompt_images(parse_preference_row(row, location).prompt, location)
+
+    # ---- private ---------------------------------------------------------------------------------------------
+
+    def _prompt_images(self, prompt: list[Any], location: str) -> SampleImages:
+        if not isinstance(self.chat, VisionChatTokenizeFn):
+            raise DataError(
+                f"{location}: image index of a text-only preference tokenize function (no image_processor)"
+            )
+        return self.chat.expand({"messages": prompt}, location)[1]
+
+    def _check_response_images(self, responses: dict[str, list[Any]], location: str) -> None:
+        """Refuse an image in a response: the samples of a row carry their prompt's images only."""
+        if not self.images:
+            return  # a text model: the chat template refuses any non-string content
+        for name, messages in responses.items():
+            if holds_image(messages):
+                raise DataError(
+                    f"{location}: the {name!r} response holds an image part; images go in the prompt (the messages "
+                    "before the responses): move it there"
+                )
+
     def _extra_modules(self) -> set[str]:
+        if self.images:  # the placeholder expansion's code is part of the cache key too
+            return {_templates_module.__name__, VisionChatTokenizeFn.__module__}
         return {_templates_module.__name__}
+
+
+def holds_image(messages: list[Any] | str) -> bool:
+    """Whether any message's content holds an image part (``{"type": "image", ...}``).
+
+    Args:
+        messages (list[dict] | str): Messages (a string holds none).
+
+    Returns:
+        bool: ``True`` when an image part is found.
+    """
+    if not isinstance(messages, list):
+        return False
+    for m in messages:
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, list) and any(isinstance(p, dict) and p.get("type") == "image" for p in content):
+            return True
+    return False
 
 
 def pair_rows(cache: TokenizedCache, where: str | None = None) -> np.ndarray:

@@ -32,6 +32,7 @@ def build_tokenize_fn(
     image_root: str | None = None,
     bad_rows: str = "error",
     margin_key: str | None = None,
+    images: bool = False,
 ) -> TokenizeFn:
     """Build the tokenize function for a source kind.
 
@@ -46,11 +47,15 @@ def build_tokenize_fn(
         chunk_overlap (int): Chunk overlap (text only).
         template_kwargs (dict | None): Template overrides (chat and preference).
         eos_token (str | None): EOS override (text only).
-        image_processor (Any): ``vlm_chat`` only: :class:`xtl.data.multimodal.ImageProcessorConfig` (or its fields).
-        image_root (str | None): ``vlm_chat`` only: folder of relative image paths (default: the JSONL's folder).
+        image_processor (Any): ``vlm_chat``, and preference kinds with ``images``:
+            :class:`xtl.data.multimodal.ImageProcessorConfig` (or its fields).
+        image_root (str | None): ``vlm_chat``, and preference kinds with ``images``: folder of relative image paths
+            (default: the JSONL's folder).
         bad_rows (str): ``preference`` and ``unpaired_preference`` only: ``"error"`` or ``"drop"`` for rows that
             cannot be used.
         margin_key (str | None): ``preference`` only: the row field holding each pair's margin.
+        images (bool): ``preference`` and ``unpaired_preference``: the model reads images, so the prompts may hold
+            image parts (a vision-language model).
 
     Returns:
         TokenizeFn: The function.
@@ -72,19 +77,24 @@ def build_tokenize_fn(
             template_kwargs=template_kwargs,
         )
     if kind in (PREFERENCE_KIND, UNPAIRED_KIND):
+        settings = (ImageProcessorConfig.from_any(image_processor) or ImageProcessorConfig()) if images else None
         if kind == UNPAIRED_KIND:
             return UnpairedPreferenceTokenizeFn(
                 tokenizer,
                 template=template,
                 template_kwargs=template_kwargs,
                 bad_rows=bad_rows,  # type: ignore[arg-type]
+                image_processor=settings,
+                image_root=image_root,
             )
         return PreferenceTokenizeFn(
             tokenizer,
             template=template,
             template_kwargs=template_kwargs,
-            bad_rows=bad_rows,
-            margin_key=margin_key,  # type: ignore[arg-type]
+            bad_rows=bad_rows,  # type: ignore[arg-type]
+            margin_key=margin_key,
+            image_processor=settings,
+            image_root=image_root,
         )
     raise DataError(
         f"unknown source kind {kind!r}; use 'chat' (messages), 'text' (pretraining), 'preference' (chosen/rejected "

@@ -17,6 +17,10 @@ the loss trains) and the mismatched one (only read for the KL estimate), both ta
 cache's ``tags.npy``). Pairs pack, mix and split as preference pairs do (``pairs=True``): a micro-batch holds
 documents matched, mismatched, matched, mismatched, ... and :attr:`xtl.data.collate.MicroBatch.doc_tags` their
 labels.
+
+Images: for a vision-language model the prompts may hold image parts, as in preference rows
+(:mod:`xtl.data.preference`); both samples of a row (its own and its mismatched completion) hold the row's prompt,
+so each carries its own copy of the prompt's images. A completion that holds an image is refused.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from xtl.data.item import DataError
+from xtl.data.multimodal import SampleImages
 from xtl.data.preference import FIX, BadRowError, PreferenceTokenizeFn, parse_preference_row, unsupervised_prompt
 from xtl.data.tokenize import Locator, SampleArrays
 
@@ -113,6 +118,9 @@ class UnpairedPreferenceTokenizeFn(PreferenceTokenizeFn):
         bad_rows (str): ``"error"`` raises :class:`~xtl.data.preference.BadRowError` naming the row's ``file:line``
             for a row that cannot be used (a missing or empty prompt or completion, a label that is not a boolean, a
             completion without a supervised token); ``"drop"`` yields no sample for it.
+        image_processor (ImageProcessorConfig | None): A vision-language model's image settings: the prompts may
+            hold image parts. ``None``: text only.
+        image_root (str | Path | None): Folder of relative image paths (default: the JSONL file's folder).
     """
 
     tagged = True
@@ -125,9 +133,13 @@ class UnpairedPreferenceTokenizeFn(PreferenceTokenizeFn):
             if row is None:
                 continue
             try:
-                items.extend((i, item) for item in parse_unpaired_row(row, locate(i)))
+                parsed = parse_unpaired_row(row, locate(i))
             except BadRowError as err:
                 bad[i] = err
+                continue
+            names = ("chosen", "rejected") if len(parsed) == 2 else ("completion",)  # a pair, or one row
+            self._check_response_images({n: it.completion for n, it in zip(names, parsed)}, locate(i))
+            items.extend((i, item) for item in parsed)
         own = self.chat.batch_arrays(
             [{"messages": unsupervised_prompt(it.prompt) + list(it.completion), "tools": it.tools} for _, it in items],
             lambda j: f"{locate(items[j][0])} ({SIDES[0]})",
@@ -156,6 +168,22 @@ class UnpairedPreferenceTokenizeFn(PreferenceTokenizeFn):
         if bad and self.bad_rows == "error":
             raise bad[min(bad)]
         return out
+
+    def image_index(self, row: dict[str, Any], location: str) -> SampleImages:
+        """The images of each sample of a row: its prompt's (its own and its mismatched sample hold them; a
+        preference pair's two rows share the prompt).
+
+        Args:
+            row (dict): The raw record.
+            location (str): ``file:line`` of the record.
+
+        Returns:
+            SampleImages: The prompt's images, in order.
+
+        Raises:
+            DataError: The function reads no images (no ``image_processor``).
+        """
+        return self._prompt_images(parse_unpaired_row(row, location)[0].prompt, location)
 
 
 def row_labels(tags: np.ndarray | None) -> np.ndarray:
