@@ -1,5 +1,7 @@
 """``HFParityCheck``: tiny recipes pass, write the per-layer report and train as without the check; injected faults
-raise (or warn) naming the first diverging layer; bitwise under FSDP on 2 processes."""
+raise (or warn) naming the first diverging layer; bitwise under FSDP on 2 processes. Vision-language models
+(Qwen3-VL, Qwen3-VL-MoE) are checked with their images, vision tower included: bitwise, and a 1e-6 fault in a
+vision block raises naming it (on one process and, for Qwen3-VL-MoE, under FSDP + expert parallelism)."""
 
 from __future__ import annotations
 
@@ -12,10 +14,12 @@ from contextlib import nullcontext
 from pathlib import Path
 from types import SimpleNamespace
 
+import lightning.pytorch as pl
 import pytest
 import torch
 
 from tests.cli.test_cli import ROOT, SMALL_MODEL, _run_main, _tiny_args
+from tests.composition.matrix import FAMILIES, FEATURES, STRATEGIES, Cell
 from tests.model.test_parity import (
     router_top_k_plus_one,
     swap_q_and_k_keys,
@@ -23,6 +27,8 @@ from tests.model.test_parity import (
     wrong_norm_eps,
     wrong_rope_theta,
 )
+from tests.model.test_parity_vlm import VISION_ROWS, perturb_output
+from tests.model.vlm import IMAGE, VARIANTS, VISION_END, VISION_START, load_pair, save_tiny_vlm
 from xtl.batch import SequenceContext
 from xtl.callbacks import HFParityCheck
 from xtl.data.collate import MicroBatch
@@ -61,6 +67,31 @@ def _micro_batch() -> MicroBatch:
         start += n
     ctx = SequenceContext.from_lengths(ids, [*lengths, 4], num_padding=4)
     return MicroBatch(ctx, labels, int((labels != -100).sum()), sum(lengths))
+
+
+def _vision_micro_batch() -> MicroBatch:
+    """A packed image + text document, a text document and a two-image document (4x4 and 4x6 patches), padding."""
+    vs, ve, img = VISION_START, VISION_END, IMAGE
+    docs = [[5, vs, *[img] * 4, ve, 6, 7], [8, 9, 10, 11], [12, vs, *[img] * 4, ve, vs, *[img] * 6, ve, 13, 14]]
+    ids = torch.tensor([[t for doc in docs for t in doc] + [0, 0, 0]])
+    labels = torch.full_like(ids, -100)
+    start = 0
+    for doc in docs:
+        labels[0, start : start + len(doc) - 1] = ids[0, start + 1 : start + len(doc)]
+        start += len(doc)
+    ctx = SequenceContext.from_lengths(ids, [*map(len, docs), 3], num_padding=3)
+    g = torch.Generator().manual_seed(0)
+    ctx.extras = {
+        "pixel_values": torch.randn(56, 3 * 2 * 14 * 14, generator=g),
+        "image_grid_thw": torch.tensor([[1, 4, 4], [1, 4, 4], [1, 4, 6]]),
+    }
+    return MicroBatch(ctx, labels, int((labels != -100).sum()), start)
+
+
+def _matrix_cell(family: str, strategy: str) -> Cell:
+    """The composition matrix's ``parity_check`` cell of ``family`` under ``strategy`` (its model and layout)."""
+    by_name = lambda items, name: next(item for item in items if item.name == name)  # noqa: E731
+    return Cell(by_name(FAMILIES, family), by_name(FEATURES, "parity_check"), by_name(STRATEGIES, strategy))
 
 
 def _losses(run: Path) -> list[str]:
@@ -124,6 +155,31 @@ class TestHFParityCheck:
         assert sorted(p.name for p in Path("runs/tiny_sft/parity").iterdir()) == ["step_0.json", "step_1.json"]
         assert len(_losses(Path("runs/tiny_sft"))) == 2
 
+    @pytest.mark.parametrize("variant", VARIANTS)
+    def test_a_vision_language_batch_is_checked_with_its_images(self, variant, tmp_path):
+        """Bitwise with transformers' Qwen3VL(Moe)ForConditionalGeneration on the batch's own images; a 1e-6
+        relative fault in one vision block's output (xtl only) raises naming that block."""
+        model = load_pair(save_tiny_vlm(variant, torch.float32, tmp_path / "hf"), torch.float32)[1]
+        trainer, module = _single_process(tmp_path, model)
+        report = HFParityCheck().check(trainer, module, _vision_micro_batch())
+        assert report.ok and all(row.exact for row in report.rows), report.render()
+        assert [row.name for row in report.rows][:7] == [*VISION_ROWS, "embed"]
+        assert report.num_images == 3 and report.lengths == [9, 4, 17] and not report.notes
+        perturb_output(model.visual.blocks[1])
+        with pytest.raises(ParityCheckError, match="at step 3: first diverging layer: vision block 1 \\("):
+            HFParityCheck().check(trainer, module, _vision_micro_batch())
+        assert json.loads((tmp_path / "parity" / "step_3.json").read_text())["first_divergence"] == "vision block 1"
+
+    def test_a_tiny_vision_language_run_is_checked_on_its_images(self, tmp_path, data_cache):
+        """The matrix's Qwen3-VL cell (one process, bf16-mixed: the check runs in fp32) on the tiny shapes data."""
+        configs = _matrix_cell("vlm", "single").configs(tmp_path, tmp_path / "run")
+        assert _run_main(["fit", *configs, "--data.cache_dir", str(data_cache), "--trainer.max_steps", "1"]) == 0
+        report = json.loads((tmp_path / "run" / "parity" / "step_0.json").read_text())
+        assert report["ok"] and report["tolerance"]["name"] == "bitwise" and report["dtype"] == "float32"
+        assert report["images"] > 0 and not report["notes"], "the run's own images, not the probe"
+        assert [row["name"] for row in report["rows"]][:6] == VISION_ROWS[:5] + ["embed"]
+        assert all(row["exact"] for row in report["rows"])
+
     @pytest.mark.parametrize(
         "kwargs,message",
         [
@@ -171,3 +227,45 @@ class TestHFParityCheckFSDP:
         report = json.loads((tmp_path / "runs/tiny_sft/parity/step_0.json").read_text())
         assert report["ok"] and all(row["exact"] for row in report["rows"])
         assert any(row["name"] == "grad layers.0.self_attn.q_proj.weight" for row in report["rows"])
+
+    def test_qwen3_vl_moe_under_expert_parallelism_catches_a_1e6_vision_fault(self, tmp_path, data_cache):
+        """The matrix's Qwen3-VL-MoE cell on 2 ranks (FSDP2 + EP 2) with fp32 parameters (the check runs in fp32:
+        bitwise but for the experts' gradients, within 1e-6), then the same run with a 1e-6 relative fault in one
+        vision block's output on every rank."""
+        fp32 = tmp_path / "fp32.yaml"
+        fp32.write_text("trainer:\n  strategy:\n    class_path: xtl.strategies.FSDPStrategy\n    init_args:\n"
+                        "      param_dtype: null\n")  # fmt: skip
+        fault = tmp_path / "fault.yaml"
+        fault.write_text(f"trainer:\n  callbacks+:\n    - class_path: {__name__}.PerturbVisionBlock\n")
+        env = {
+            **os.environ,
+            "PYTHONUNBUFFERED": "1",
+            "OMP_NUM_THREADS": "1",  # see test_bitwise_on_two_fsdp_ranks
+            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        }
+        configs = [*_matrix_cell("vlm_moe", "ep").configs(tmp_path, tmp_path / "run"), "--config", str(fp32)]
+        args = [*configs, "--data.cache_dir", str(data_cache), "--trainer.max_steps", "1"]
+        for extra in ([], ["--config", str(fault)]):
+            command = [sys.executable, "-m", "xtl", "fit", *args, *extra]
+            proc = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+            rank0 = "\n".join(line for line in proc.stderr.splitlines() if not line.startswith("[rank1]"))
+            report = json.loads((tmp_path / "run/parity/step_0.json").read_text())
+            if not extra:
+                assert proc.returncode == 0, rank0[-4000:]
+                # bitwise but for the experts' gradients under EP (see HFParityCheck._tolerance)
+                assert report["ok"] and report["tolerance"]["name"] == "bitwise_forward", rank0[-4000:]
+                assert [row["name"] for row in report["rows"]][:6] == VISION_ROWS[:5] + ["embed"]
+                assert report["images"] > 0 and not report["notes"]
+                experts = [row for row in report["rows"] if ".mlp.experts." in row["name"]]
+                assert len(experts) == 4 and all(row["error"] < 1e-6 for row in experts), experts
+                assert all(row["exact"] for row in report["rows"] if row not in experts)
+            else:
+                assert proc.returncode != 0 and "first diverging layer: vision block 1 (" in rank0, rank0[-4000:]
+                assert report["first_divergence"] == "vision block 1"
+
+
+class PerturbVisionBlock(pl.Callback):
+    """A fault in xtl's model only (for the 2-rank test): vision block 1's output times ``1 + 1e-6``."""
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        perturb_output(pl_module.model.visual.blocks[1])

@@ -7,18 +7,21 @@ import zlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from xtl.batch import ModelOutput
+from xtl.batch import ModelOutput, SequenceContext
 from xtl.model.config import TransformerConfig
 from xtl.model.hf.format import DEFAULT_MAX_SHARD_SIZE
 from xtl.model.hf.model_io import copy_into, load_hf_weights, save_hf_weights
 from xtl.module.moe_block import MoEBlock
 from xtl.module.norm import RMSNorm
 from xtl.module.traits import AdapterModule, FusesProjections, KeepsFp32, SelfInitializing
+
+if TYPE_CHECKING:
+    from xtl.module.vision import VisionTower
 
 SCORE_PREFIX = "score."  # transformers' sequence-classification head
 
@@ -317,6 +320,10 @@ class BaseModel(nn.Module, ABC):
         """The vision tower's blocks, in order (``None``: a text-only model)."""
         return None
 
+    def vision_tower(self) -> VisionTower | None:
+        """The vision tower (``None``: a text-only model)."""
+        return None
+
     def attention_modules(self) -> list[nn.Module]:
         """The self-attention module of every decoder layer."""
         return [layer.self_attn for layer in self.decoder_layers()]
@@ -365,6 +372,16 @@ class BaseModel(nn.Module, ABC):
             for module in modules
             for param in module.parameters()
         }
+
+    def next_positions(self, seq_ctx: SequenceContext) -> torch.Tensor:
+        """``(B,)`` the position of the token that follows each document of the packed prompts ``seq_ctx`` (where
+        cached decoding continues): the document's length, for a model whose positions count its tokens (a
+        vision-language model's M-RoPE positions run behind the tokens after an image).
+
+        Args:
+            seq_ctx: Prompts laid end to end (with a vision-language model's images in ``extras``).
+        """
+        return torch.tensor(seq_ctx.lengths, device=seq_ctx.cu_seq_lens.device)
 
     @torch.no_grad()
     def update_router_bias(self, tokens_per_expert: torch.Tensor, lr: float | torch.Tensor) -> None:

@@ -339,6 +339,15 @@ class Qwen3VL(BaseModel):
         pieces = [self._rope_positions(types[s:e], grids) for s, e in zip(bounds[:-1], bounds[1:])]
         return torch.cat(pieces, dim=1).to(input_ids.dtype).unsqueeze(1)
 
+    def next_positions(self, seq_ctx: SequenceContext) -> torch.Tensor:
+        """``(B,)`` the M-RoPE position after each prompt of the pack ``seq_ctx``: one past its largest position
+        (transformers' ``rope_deltas`` added to the length); the tokens decoded after it take the same position on
+        all three axes."""
+        grid = seq_ctx.extras.get("image_grid_thw")
+        positions = self.packed_rope_index(seq_ctx.input_ids, seq_ctx.cu_seq_lens, grid)
+        bounds = seq_ctx.doc_bounds or tuple(seq_ctx.cu_seq_lens.tolist())
+        return torch.stack([positions[:, 0, s:e].max() + 1 for s, e in zip(bounds[:-1], bounds[1:])])
+
     def _rope_positions(self, types: torch.Tensor, grids: Iterator[list[int]]) -> torch.Tensor:
         """``(3, n)`` positions of one sequence with token types ``types`` (0 text, 1 image), from 0."""
         merge = self.config.vision_config.spatial_merge_size
@@ -392,6 +401,10 @@ class Qwen3VL(BaseModel):
     def vision_blocks(self) -> nn.ModuleList:
         """The vision tower's blocks."""
         return self.visual.blocks
+
+    def vision_tower(self) -> VisionTower:
+        """The vision tower (``visual``)."""
+        return self.visual
 
     def text_model(self) -> TextModel:
         """The language model (``language_model``)."""

@@ -25,15 +25,18 @@ if TYPE_CHECKING:
 
 def default_grad_params(model: BaseModel) -> list[str]:
     """The gradients checked by default: the parameters of the first and the last decoder layer, of the final norm
-    and of the head, by name, in that order.
+    and of the head, by name, in that order; of a vision-language model first those of the first vision block
+    (its gradient flows back through every later block and merger) and of the patch merger.
 
-    The parts come from the model's typed accessors (``decoder_layers()``, ``text_model()``); with tied embeddings
-    the head's weight is the embedding's, named ``embed_tokens.weight``.
+    The parts come from the model's typed accessors (``vision_tower()``, ``decoder_layers()``, ``text_model()``);
+    with tied embeddings the head's weight is the embedding's, named ``embed_tokens.weight``.
     """
     text, layers = model.text_model(), model.decoder_layers()
     name_of = {id(param): name for name, param in model.named_parameters()}
     names: list[str] = []
-    for part in (layers[0], layers[-1], text.norm, text.lm_head):
+    tower = model.vision_tower()
+    vision = [] if tower is None else [tower.blocks[0], tower.merger]
+    for part in (*vision, layers[0], layers[-1], text.norm, text.lm_head):
         names += [name_of[id(p)] for p in part.parameters() if name_of[id(p)] not in names]
     return names
 
@@ -80,23 +83,27 @@ def run_parity_check(
     resolve_tolerance(tolerance, mode, torch.float32, tolerances)  # bad options fail on every rank, before any work
     if reference is None and hf_config is None:
         raise ValueError("pass the reference or the hf_config to build it from")
-    if model.text_model() is not model:
+    vision = model.vision_tower() is not None
+    if model.text_model() is not model and not vision:
         raise ValueError(
-            f"{type(model).__name__} is not a decoder-only text model (its language model is a part of it): the "
-            "parity check covers decoder-only text models"
+            f"{type(model).__name__} is neither a decoder-only text model nor a vision-language model: the parity "
+            "check covers those"
         )
     main = is_main()
     num_layers = len(model.decoder_layers())
     checked = num_layers if max_layers is None else max(0, min(max_layers, num_layers))
     if reference is not None:
-        checked = min(checked, len(reference.model.layers))
+        checked = min(checked, len(reference.get_decoder().layers))
     whole = checked == num_layers
     if grad_params is None:
         grad_names = _select_grads(model, default_grad_params(model), strict=False)
     else:
         grad_names = _select_grads(model, grad_params, strict=True)
-    supervised = documents.num_supervised
     notes = []
+    if vision and not documents.has_images:
+        documents = documents.with_probe_image(model.config)
+        notes.append("no image in the documents: a probe document with one random image was added")
+    supervised = documents.num_supervised
     if not whole:
         notes.append(f"only the first {checked} of {num_layers} layers: logits, loss and gradients not compared")
         grad_names = []
@@ -125,6 +132,7 @@ def run_parity_check(
         tolerance_name=name,
         tolerance=bounds,
         lengths=documents.lengths,
+        num_images=documents.num_images,
         num_layers=num_layers,
         checked_layers=checked,
         load_errors=load_errors,

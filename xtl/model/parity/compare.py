@@ -1,7 +1,8 @@
 """Run both sides of a parity check on the same documents and compare what they computed, row by row.
 
-:func:`run_xtl` and :func:`run_reference` record the hidden states (forward hooks), logits, loss and gradients
-of each side into a :class:`Capture`; :func:`compare_captures` turns two captures into :class:`ParityRow` s.
+:func:`run_xtl` and :func:`run_reference` record the hidden states (forward hooks; for a vision-language model
+the vision tower's too, :func:`vision_modules`), logits, loss and gradients of each side into a :class:`Capture`;
+:func:`compare_captures` turns two captures into :class:`ParityRow` s.
 """
 
 from __future__ import annotations
@@ -77,6 +78,23 @@ class _Recorder:
         return {name: torch.cat(parts) for name, parts in self.outputs.items() if parts}
 
 
+def vision_modules(tower: nn.Module | None) -> dict[str, nn.Module]:
+    """The vision rows of a Qwen3-VL vision tower, in this order: ``vision patch_embed``, ``vision block <i>``,
+    ``vision merger`` and ``vision deepstack <j>`` (the DeepStack mergers); empty for ``None``.
+
+    xtl's tower (:class:`xtl.module.vision.VisionTower`) keeps transformers' module names, so one function names
+    the modules of both sides.
+    """
+    if tower is None:
+        return {}
+    return {
+        "vision patch_embed": tower.patch_embed,
+        **{f"vision block {i}": block for i, block in enumerate(tower.blocks)},
+        "vision merger": tower.merger,
+        **{f"vision deepstack {j}": merger for j, merger in enumerate(tower.deepstack_merger_list)},
+    }
+
+
 def run_xtl(
     model: BaseModel,
     docs: ParityDocuments,
@@ -100,7 +118,8 @@ def run_xtl(
         device: Where the model's inputs go.
     """
     text, layers = model.text_model(), model.decoder_layers()
-    modules = {"embed": text.embed_tokens, **{f"layer {i}": layers[i] for i in range(checked)}}
+    modules = vision_modules(model.vision_tower() if docs.has_images else None)
+    modules |= {"embed": text.embed_tokens, **{f"layer {i}": layers[i] for i in range(checked)}}
     if whole:
         modules["norm"] = text.norm
     backward = bool(grad_names) and docs.num_supervised > 0
@@ -129,9 +148,10 @@ def _xtl_per_document(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The reference's call shapes: one HF-style call per document."""
     logits, loss = [], None
-    for ids, labels in zip(docs.input_ids, docs.labels):
+    for i, (ids, labels) in enumerate(zip(docs.input_ids, docs.labels)):
+        images = _image_inputs(docs, i, device)
         with context(), recorder.recording():
-            out = model(input_ids=ids[None].to(device), labels=_unshift(labels)[None].to(device))
+            out = model(input_ids=ids[None].to(device), labels=_unshift(labels)[None].to(device), **images)
         logits.append(out.logits.detach()[0])
         loss = _add_loss_term(loss, out.loss, labels, docs.num_supervised, backward)
     return torch.cat(logits), loss
@@ -147,6 +167,12 @@ def _xtl_packed(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """As training runs it: the packed micro-batch and the fused chunked loss; logits from a second forward."""
     seq_ctx = SequenceContext.from_lengths(torch.cat(docs.input_ids)[None], docs.lengths).to(device)
+    images = [im for im in docs.images if im is not None]
+    if images:  # the pack's images in order of appearance, as collate puts them
+        seq_ctx.extras = {
+            "pixel_values": torch.cat([im.pixel_values for im in images]).to(device),
+            "image_grid_thw": torch.cat([im.grid_thw for im in images]).to(device),
+        }
     labels = torch.cat(docs.labels)[None].to(device)
     with context(), recorder.recording():
         out = model(seq_ctx=seq_ctx, labels=labels, return_logits=False)
@@ -180,8 +206,10 @@ def run_reference(
             backward).
         model: The xtl model, for its HF key map.
     """
-    decoder = reference.model
-    modules = {"embed": decoder.embed_tokens, **{f"layer {i}": decoder.layers[i] for i in range(checked)}}
+    decoder = reference.get_decoder()
+    vision = docs.has_images and model.vision_tower() is not None
+    modules = vision_modules(reference.model.visual if vision else None)
+    modules |= {"embed": decoder.embed_tokens, **{f"layer {i}": decoder.layers[i] for i in range(checked)}}
     if whole:
         modules["norm"] = decoder.norm
     device = next(reference.parameters()).device
@@ -189,10 +217,11 @@ def run_reference(
     loss, logits = None, []
     reference.zero_grad(set_to_none=True)
     with _Recorder(modules) as recorder, torch.set_grad_enabled(backward):
-        for ids, labels in zip(docs.input_ids, docs.labels):
+        for i, (ids, labels) in enumerate(zip(docs.input_ids, docs.labels)):
+            images = _image_inputs(docs, i, device, reference.config.image_token_id if vision else None)
             with recorder.recording():
                 out = reference(
-                    input_ids=ids[None].to(device), labels=_unshift(labels)[None].to(device), use_cache=False
+                    input_ids=ids[None].to(device), labels=_unshift(labels)[None].to(device), use_cache=False, **images
                 )
             logits.append(out.logits.detach()[0])
             loss = _add_loss_term(loss, out.loss, labels, docs.num_supervised, backward)
@@ -211,6 +240,20 @@ def run_reference(
     if not whole:
         return Capture(hidden, None, None, grads, hidden["embed"].dtype)
     return Capture(hidden, torch.cat(logits), loss, grads, hidden["embed"].dtype)
+
+
+def _image_inputs(
+    docs: ParityDocuments, index: int, device: torch.device, image_token_id: int | None = None
+) -> dict[str, torch.Tensor]:
+    """The image arguments of document ``index``'s HF-style call (none for a text-only document); with
+    ``image_token_id`` also ``mm_token_type_ids`` (transformers needs it for M-RoPE, xtl derives it)."""
+    images = docs.images[index] if docs.images else None
+    if images is None:
+        return {}
+    inputs = {"pixel_values": images.pixel_values.to(device), "image_grid_thw": images.grid_thw.to(device)}
+    if image_token_id is not None:
+        inputs["mm_token_type_ids"] = (docs.input_ids[index][None] == image_token_id).int().to(device)
+    return inputs
 
 
 def _add_loss_term(

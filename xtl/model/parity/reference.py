@@ -25,7 +25,9 @@ def load_reference(
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
 ) -> tuple[PreTrainedModel | None, list[str]]:
-    """transformers' eager model for ``hf_config`` (eager attention and experts), loaded by transformers itself.
+    """transformers' eager model for ``hf_config`` (eager attention and experts), loaded by transformers itself:
+    its causal-LM class, or its image-text-to-text class for a vision-language config (e.g.
+    ``Qwen3VLForConditionalGeneration``).
 
     Args:
         source: An HF model directory, or HF-keyed tensors (checkpoint layout).
@@ -37,11 +39,19 @@ def load_reference(
         The model in eval mode (``None`` if it could not be loaded) and the loading problems (missing, unexpected
         and misshapen keys), empty when every weight matched.
     """
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING,
+    )
 
-    if type(hf_config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
-        raise ValueError(f"transformers has no causal-LM class for {type(hf_config).__name__}: no reference")
-    model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(hf_config)]
+    mapping = next(
+        (m for m in (MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING) if type(hf_config) in m), None
+    )
+    if mapping is None:
+        raise ValueError(
+            f"transformers has no causal-LM or image-text-to-text class for {type(hf_config).__name__}: no reference"
+        )
+    model_class = mapping[type(hf_config)]
     config = copy.deepcopy(hf_config)
     is_path = isinstance(source, (str, Path))
     kwargs = {"state_dict": dict(source)} if not is_path else {}
@@ -114,13 +124,15 @@ def build_reference(
 
 
 def truncated_hf_config(hf_config: PretrainedConfig, num_layers: int) -> PretrainedConfig:
-    """A copy of ``hf_config`` with only its first ``num_layers`` decoder layers (per-layer lists cut too)."""
-    config = copy.deepcopy(hf_config)
+    """A copy of ``hf_config`` with only its first ``num_layers`` decoder layers (per-layer lists cut too; of a
+    vision-language config, its ``text_config``'s)."""
+    whole = copy.deepcopy(hf_config)
+    config = whole.get_text_config(decoder=True)
     if num_layers < config.num_hidden_layers:
         config.num_hidden_layers = num_layers
         if getattr(config, "layer_types", None) is not None:
             config.layer_types = list(config.layer_types[:num_layers])
-    return config
+    return whole
 
 
 def is_main() -> bool:

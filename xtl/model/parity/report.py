@@ -16,7 +16,9 @@ class ParityRow:
     """One compared quantity.
 
     Attributes:
-        name: ``embed``, ``layer <i>``, ``norm``, ``logits``, ``loss`` or ``grad <xtl parameter name>``.
+        name: ``vision patch_embed``, ``vision block <i>``, ``vision merger``, ``vision deepstack <j>`` (a
+            vision-language model's tower), ``embed``, ``layer <i>``, ``norm``, ``logits``, ``loss`` or
+            ``grad <xtl parameter name>``.
         kind: ``hidden``, ``logits``, ``loss`` or ``grad`` (selects the bound).
         max_abs: Largest absolute difference.
         error: Relative L2 error (absolute difference for the loss).
@@ -48,6 +50,7 @@ class ParityReport:
         tolerance_name: The preset checked against.
         tolerance: Its bounds.
         lengths: Tokens per document.
+        num_images: Images in the documents (vision-language models; their vision rows come first).
         num_layers: Decoder layers of the xtl model.
         checked_layers: Decoder layers compared (the first ones; logits, loss and gradients need them all).
         load_errors: Problems filling the reference with the xtl weights (missing, unexpected or misshapen keys).
@@ -63,6 +66,7 @@ class ParityReport:
     lengths: list[int]
     num_layers: int
     checked_layers: int
+    num_images: int = 0
     load_errors: list[str] = field(default_factory=list)
     step: int | None = None
     notes: list[str] = field(default_factory=list)
@@ -118,7 +122,8 @@ class ParityReport:
         layers = f"{self.checked_layers}/{self.num_layers} layers"
         header = (
             f"HF parity: mode {self.mode}, {self.dtype}, tolerance {self.tolerance_name}; "
-            f"{len(self.lengths)} documents, {sum(self.lengths)} tokens; {layers}"
+            f"{len(self.lengths)} documents, {sum(self.lengths)} tokens"
+            f"{f', {self.num_images} images' if self.num_images else ''}; {layers}"
         )
         width = max([len(r.name) for r in self.rows] + [8])
         lines = [header, f"{'row':<{width}}  {'max_abs':>10}  {'error':>10}  {'bound':>10}"]
@@ -143,6 +148,7 @@ class ParityReport:
             "documents": len(self.lengths),
             "tokens": sum(self.lengths),
             "lengths": self.lengths,
+            "images": self.num_images,
             "layers": {"checked": self.checked_layers, "total": self.num_layers},
             "first_divergence": self.first_divergence,
             "load_errors": self.load_errors,
