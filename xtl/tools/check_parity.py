@@ -7,6 +7,10 @@ filled with its weights through the HF key map. Both run on generated token ids 
 (``--text``), and the comparison of :mod:`xtl.model.parity` (hidden states after every decoder layer, logits,
 loss, gradients) is printed as a per-layer table or JSON.
 
+A vision-language directory (Qwen3-VL, Qwen3-VL-MoE) is checked against transformers' image-text-to-text class:
+the engine adds a probe document with one random image to the text documents, so the report starts with the vision
+tower's rows; ``--max-layers`` cuts the language model (``text_config``), never the vision tower.
+
 Example:
     >>> from xtl.tools.check_parity import main
     >>> main(["qwen3-0.6b", "--random", "--max-layers", "1", "--max-tokens", "16"])  # doctest: +SKIP
@@ -34,6 +38,8 @@ _DTYPES = ("float32", "bfloat16")
 # The engine's modes and tolerance presets, spelled out so that --help does not import torch (a test keeps them equal).
 MODES = ("hf_impl", "fast")
 CUT_VOCAB = 4096  # vocabulary of a random model cut with --max-layers
+# A vision-language config's placeholder ids: generated documents avoid them; a cut vocabulary keeps them (last ids).
+_VISION_TOKENS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
 TOLERANCE_CHOICES = ("auto", "bitwise", "bitwise_forward", "fp32", "bf16", "fp8")
 
 
@@ -86,9 +92,9 @@ def run(args: argparse.Namespace) -> int:
     if directory is None and not args.random:
         raise ToolInputError(f"{args.model}: not an HF model directory (no config.json); an alias needs --random")
     config, total_layers = _xtl_config(args.model, directory, args.max_layers, args.random)
-    hf_config = _reference_config(directory, config)
+    hf_config = _reference_config(directory, config, args.random)
+    documents = _documents(args, directory, config)  # input errors before the weights are loaded
     model = _xtl_model(config, directory, args.random, args.seed, dtype, device)
-    documents = _documents(args, directory, config.vocab_size)
     try:
         reference = None
         if directory is not None and not args.random:
@@ -107,10 +113,11 @@ def run(args: argparse.Namespace) -> int:
         )
     except ValueError as err:  # a --grad-params pattern that matches nothing, a model with no causal-LM reference
         raise ToolInputError(str(err)) from err
-    if config.num_hidden_layers < total_layers:
+    text = config.language_config
+    if text.num_hidden_layers < total_layers:
         report.notes.append(
-            f"the model is cut to its first {config.num_hidden_layers} of {total_layers} decoder layers (both sides)"
-            + (f", its vocabulary to {config.vocab_size} tokens (random weights)" if args.random else "")
+            f"the model is cut to its first {text.num_hidden_layers} of {total_layers} decoder layers (both sides)"
+            + (f", its vocabulary to {text.vocab_size} tokens (random weights)" if args.random else "")
         )
     print(report.to_json() if args.format == "json" else report.render())
     return EXIT_OK if report.ok else EXIT_FAILED
@@ -138,7 +145,9 @@ def _xtl_config(name: str, directory: Path | None, max_layers: int | None, rando
     model's own number of decoder layers.
 
     A cut model compares the layers only (no logits, loss or gradients); with random weights its vocabulary is cut
-    too (to :data:`CUT_VOCAB` tokens), so embedding and head, the largest tensors of a big model, stay small.
+    too (to :data:`CUT_VOCAB` tokens), so embedding and head, the largest tensors of a big model, stay small. Of a
+    vision-language model the language model (``text_config``) is cut; its vision tower stays whole, and image
+    placeholder ids beyond a cut vocabulary move to its last ids.
     """
     from xtl.model import get_model_config, get_model_config_from_hf
 
@@ -150,30 +159,46 @@ def _xtl_config(name: str, directory: Path | None, max_layers: int | None, rando
         raise ToolInputError(str(err)) from err
     if config.hf_config is None:
         raise ToolInputError(f"{type(config).__name__} has no transformers config (remote code): no reference")
-    total = config.num_hidden_layers
+    text = config.language_config  # the config itself, or a vision-language config's text_config
+    total = text.num_hidden_layers
     if max_layers is not None and max_layers < total:
         changes: dict[str, Any] = {"num_hidden_layers": max_layers}
-        for name in config.per_layer_fields:  # one entry per decoder layer: cut too
-            if (values := getattr(config, name)) is not None:
+        for name in text.per_layer_fields:  # one entry per decoder layer: cut too
+            if (values := getattr(text, name)) is not None:
                 changes[name] = list(values[:max_layers])
+        vision: dict[str, int] = {}
         if random:
-            changes["vocab_size"] = vocab = min(config.vocab_size, CUT_VOCAB)
-            ids = {"bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id}
-            for key, value in {**ids, "pad_token_id": config.pad_token_id}.items():  # ids the cut vocabulary lacks
+            changes["vocab_size"] = vocab = min(text.vocab_size, CUT_VOCAB)
+            ids = {"bos_token_id": text.bos_token_id, "eos_token_id": text.eos_token_id}
+            for key, value in {**ids, "pad_token_id": text.pad_token_id}.items():  # ids the cut vocabulary lacks
                 if isinstance(value, int) and value >= vocab:
                     changes[key] = None
-        config = dataclasses.replace(config, **changes)
+            if text is not config and any(getattr(config, key) >= vocab for key in _VISION_TOKENS):
+                vision = {key: vocab - len(_VISION_TOKENS) + i for i, key in enumerate(_VISION_TOKENS)}
+        if text is config:
+            config = dataclasses.replace(config, **changes)
+        else:
+            config = dataclasses.replace(config, text_config=dataclasses.replace(text, **changes), **vision)
     return config, total
 
 
-def _reference_config(directory: Path | None, config: Any) -> Any:
-    """transformers' own reading of the directory's config.json (else the xtl config's), with xtl's layer count."""
+def _reference_config(directory: Path | None, config: Any, random: bool) -> Any:
+    """transformers' own reading of the directory's config.json (else the xtl config's), with xtl's layer count
+    (and, with random weights, xtl's cut vocabulary and the special ids it moved or dropped)."""
     from transformers import AutoConfig
 
     from xtl.model.parity import truncated_hf_config
 
+    text = config.language_config
     hf_config = AutoConfig.from_pretrained(directory) if directory is not None else config.hf_config
-    return truncated_hf_config(hf_config, config.num_hidden_layers)
+    hf_config = truncated_hf_config(hf_config, text.num_hidden_layers)
+    hf_text = hf_config.get_text_config(decoder=True)
+    if random and text.vocab_size < hf_text.vocab_size:
+        for key in ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id"):
+            setattr(hf_text, key, getattr(text, key))
+        for key in _VISION_TOKENS if text is not config else ():
+            setattr(hf_config, key, getattr(config, key))
+    return hf_config
 
 
 def _xtl_model(config: Any, directory: Path | None, random: bool, seed: int, dtype: Any, device: Any) -> Any:
@@ -184,7 +209,7 @@ def _xtl_model(config: Any, directory: Path | None, random: bool, seed: int, dty
     with torch.device("meta"):
         model = config.build()
     if directory is not None and not random:
-        whole = config.num_hidden_layers == _checkpoint_layers(directory)
+        whole = config.language_config.num_hidden_layers == _checkpoint_layers(directory)
         missing = model.from_hf(directory, strict=whole, device=device)  # a cut model ignores the deeper layers
         if missing:
             raise CheckpointMismatchError(f"{directory}: missing keys {', '.join(missing[:8])}")
@@ -199,16 +224,22 @@ def _xtl_model(config: Any, directory: Path | None, random: bool, seed: int, dty
 def _checkpoint_layers(directory: Path) -> int:
     from xtl.model.config import read_hf_config_dict
 
-    return int(read_hf_config_dict(directory).get("num_hidden_layers", 0))
+    values = read_hf_config_dict(directory)
+    return int(values.get("text_config", values).get("num_hidden_layers", 0))
 
 
-def _documents(args: argparse.Namespace, directory: Path | None, vocab_size: int) -> Any:
+def _documents(args: argparse.Namespace, directory: Path | None, config: Any) -> Any:
+    """The text documents (the engine adds a probe image for a vision-language model: the tool reads no images)."""
     from xtl.model.parity import ParityDocuments
 
+    vocab_size = config.vocab_size
+    placeholders = {getattr(config, key) for key in _VISION_TOKENS if hasattr(config, key)}
     if args.text is None:
         if args.max_tokens < args.num_docs:
             raise ToolInputError(f"--max-tokens {args.max_tokens} is fewer than --num-docs {args.num_docs}")
-        return ParityDocuments.random(vocab_size, args.max_tokens, args.num_docs, args.seed)
+        words = [t for t in range(vocab_size) if t not in placeholders]  # no image placeholder without its image
+        documents = ParityDocuments.random(len(words), args.max_tokens, args.num_docs, args.seed)
+        return ParityDocuments.from_token_lists([[words[t] for t in doc.tolist()] for doc in documents.input_ids])
     if not args.text.is_file():
         raise ToolInputError(f"--text {args.text}: no such file")
     source = args.tokenizer or directory
@@ -226,6 +257,12 @@ def _documents(args: argparse.Namespace, directory: Path | None, vocab_size: int
     documents = ParityDocuments.from_token_lists([tokenizer(t)["input_ids"] for t in texts], args.max_tokens)
     if documents.max_token_id() >= vocab_size:
         raise ToolInputError(f"the tokenizer of {source} yields ids >= the model's vocab_size {vocab_size}")
+    images = {getattr(config, key) for key in ("image_token_id", "video_token_id") if hasattr(config, key)}
+    if any(t in images for doc in documents.input_ids for t in doc.tolist()):
+        raise ToolInputError(
+            f"--text {args.text} holds image or video placeholders (ids {sorted(images)}): check-parity reads no "
+            "images; remove them (a probe image is added)"
+        )
     return documents
 
 

@@ -65,7 +65,7 @@ class _DeepStackMixin:
         handles = []
         if self._deepstack is not None:
             pos_mask, features = self._deepstack
-            for i, feature in enumerate(features):
+            for i, feature in enumerate(features[: len(self.layers)]):  # a cut model: its layers only, as HF
                 # eager inside a compiled layer: the masked update has a data-dependent number of rows
                 add = torch.compiler.disable(_DeepStackAdd(pos_mask, feature))
                 handles.append(self.layers[i].register_forward_hook(add))
