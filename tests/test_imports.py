@@ -131,6 +131,8 @@ SEAM_ALLOWLIST = (
     " config may leave the field out",
     "model/parity/reference.py: getattr(config, 'layer_types', None) -> a transformers config's optional"
     " per-layer list",
+    "module/nf4.py: hasattr(fsdp_param, attr) -> torch's private FSDPParam methods that QLoRA under FSDP calls"
+    " (checked, so that another torch fails with a message)",
     "module/rope.py: getattr(hf_config, 'head_dim', None) -> a transformers config's optional field",
     "ops/grouped_gemm.py: hasattr(torch, '_grouped_mm') -> a torch build may lack the grouped GEMM",
     "train/reference_cache.py: getattr(obj, '__qualname__', repr(obj)) -> hashed code: any Python object",

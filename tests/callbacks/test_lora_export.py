@@ -283,9 +283,9 @@ class TestCLI:
         assert len(lora_b) == 7 * 2 and all(p.abs().sum() > 0 for p in lora_b)  # trained: B is no longer zero
 
 
-def _fsdp_worker(rank: int, world: int, port: int, hf_dir: str, out: str) -> None:
-    """Shard the LoRA model over ``world`` gloo ranks, export ``both``, then load the adapter into a fresh sharded
-    model; rank 0 saves the reloaded factors."""
+def _fsdp_worker(rank: int, world: int, port: int, hf_dir: str, out: str, qlora: bool = False) -> None:
+    """Shard the LoRA model (``qlora``: with NF4 base weights) over ``world`` gloo ranks, export ``both``, then load
+    the adapter into a fresh sharded model; rank 0 saves the reloaded factors."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     from torch.distributed.device_mesh import init_device_mesh
@@ -297,7 +297,8 @@ def _fsdp_worker(rank: int, world: int, port: int, hf_dir: str, out: str) -> Non
             model = lora.transform_model(get_model_config_from_hf(Path(hf_dir)).build())
         fully_shard_model(model, mesh=mesh)
         model.from_hf(hf_dir)
-        return lora.after_weights(model)
+        model = lora.after_weights(model)
+        return QLoRA().after_weights(model) if qlora else model
 
     lora = LoRA(rank=4, alpha=8)
     model = sharded(lora)
@@ -305,6 +306,8 @@ def _fsdp_worker(rank: int, world: int, port: int, hf_dir: str, out: str) -> Non
     target = _export(model, Path(out), lora, "both")
     reloaded = sharded(LoRA(adapter_path=str(target / "adapter")))
     factors = {name: t.full_tensor() for name, t in reloaded.adapter_tensors().items()}
+    if qlora:  # the sharded NF4 weights are there
+        assert type(model.layers[0].self_attn.q_proj.weight.to_local()).__name__ == "NF4Tensor"
     if rank == 0:
         torch.save(factors, Path(out) / "reloaded.pt")
     dist.destroy_process_group()
@@ -330,4 +333,24 @@ class TestFSDP:
             assert filecmp.cmp(sharded_out / "final" / name, plain_out / "final" / name, shallow=False), name
         reloaded = torch.load(sharded_out / "reloaded.pt")
         assert reloaded.keys() == model.adapter_tensors().keys()
+        assert all(torch.equal(reloaded[k], v) for k, v in model.adapter_tensors().items())
+
+    def test_two_sharded_qlora_ranks_export_what_one_process_does(self, tmp_path):
+        # FSDP QLoRA: the merged export dequantizes the gathered NF4 weights, which are one process's NF4 values
+        config = Qwen3Config(
+            vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=32,
+        )  # fmt: skip
+        torch.manual_seed(0)
+        Qwen3ForCausalLM(config).save_pretrained(tmp_path / "base")
+        sharded_out, plain_out = tmp_path / "sharded", tmp_path / "plain"
+        args = (2, _free_port(), str(tmp_path / "base"), str(sharded_out), True)
+        mp.spawn(_fsdp_worker, args=args, nprocs=2, join=True)
+        lora = LoRA(rank=4, alpha=8)
+        model = _xtl_lora(tmp_path / "base", lora, QLoRA())
+        _randomize_adapters(model)
+        _export(model, plain_out, lora, "both")
+        for name in ("model-00001-of-00001.safetensors", f"adapter/{ADAPTER_WEIGHTS}"):
+            assert filecmp.cmp(sharded_out / "final" / name, plain_out / "final" / name, shallow=False), name
+        reloaded = torch.load(sharded_out / "reloaded.pt")
         assert all(torch.equal(reloaded[k], v) for k, v in model.adapter_tensors().items())

@@ -51,7 +51,7 @@ class Probe(pl.Callback):
             "total": sum(p.numel() for p in params),
             "float8": sum(type(m).__name__ == "Float8Linear" for m in model.modules()),
             "fused": sum(len(getattr(m, "fused_parts", None) or {}) for m in model.modules()),
-            "nf4": sum(type(p.data).__name__ == "NF4Tensor" or type(p).__name__ == "NF4Tensor" for p in params),
+            "nf4": sum(type(_local(p)).__name__ == "NF4Tensor" or type(p).__name__ == "NF4Tensor" for p in params),
             "compiled_frames": compiled_frames() - self.frames,
             "offloaded_bytes": sum(cb.stats.offloaded_bytes for cb in offload),
             "files": sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()),
@@ -62,6 +62,11 @@ class Probe(pl.Callback):
         }
         if trainer.is_global_zero:
             atomic_write_bytes(root / "probe.json", json.dumps(record).encode())
+
+
+def _local(param: nn.Parameter) -> Any:
+    """A parameter's data (this rank's shard of an FSDP ``DTensor``: sharded NF4 weights are NF4 shards)."""
+    return param.to_local() if isinstance(param, DTensor) else param.data
 
 
 def _optimizer(trainer: pl.Trainer) -> dict[str, Any]:

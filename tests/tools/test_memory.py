@@ -847,6 +847,57 @@ class TestLoRA:
             quantize_linear(layer)
             assert nf4_bytes(fan_in * fan_out) == nf4_nbytes(layer.weight) == _nf4_bytes(fan_in * fan_out)
 
+    @pytest.mark.parametrize(
+        ("fan_in", "fan_out", "shard"), [(128, 128, 2), (384, 128, 4), (128, 384, 3), (64, 256, 8)]
+    )
+    def test_nf4_shard_bytes_equal_the_sharded_tensors(self, fan_in: int, fan_out: int, shard: int) -> None:
+        # what each FSDP rank stores (xtl.module.nf4.nf4_rows: the tensors of a 2-rank run in
+        # tests/callbacks/test_qlora.py::TestFSDP) and the weight torchao's FSDP extension gathers from them
+        from types import SimpleNamespace
+
+        from torchao.quantization import to_nf4
+
+        from xtl.module.nf4 import nf4_nbytes, nf4_rows
+        from xtl.tools._memory_lora import nf4_shard_bytes, nf4_shards
+
+        assert nf4_shards(fan_in, fan_out, shard)
+        whole = to_nf4(torch.randn(fan_out, fan_in, generator=torch.Generator().manual_seed(0)))
+        rows = fan_out // shard
+        shards = [nf4_rows(whole, r * rows, rows) for r in range(shard)]
+        mesh = SimpleNamespace(get_group=lambda: SimpleNamespace(size=lambda: shard))
+        inputs = [part.fsdp_pre_all_gather(mesh) for part in shards]
+        outputs = tuple(torch.cat(parts) for parts in zip(*(tensors for tensors, _ in inputs)))
+        gathered, _ = shards[0].fsdp_post_all_gather(outputs, inputs[0][1], torch.float32)
+        stored = {nf4_nbytes(part) for part in shards}
+        assert nf4_shard_bytes(fan_in, fan_out, shard) == (stored.pop(), nf4_nbytes(gathered)) and not stored
+        assert nf4_shard_bytes(fan_in, fan_out, 1) == (_nf4_bytes(fan_in * fan_out),) * 2
+
+    def test_qlora_on_several_gpus_shards_the_nf4_weights_adapters_and_states(self) -> None:
+        from xtl.tools._memory_lora import nf4_shard_bytes
+
+        one, eight = (_lora_est(8, qlora=True, gpus_per_node=n) for n in (1, 8))
+        assert one.params == eight.params
+        nf4 = [(128, 128), (128, 128), (128, 384), (128, 384), (384, 128)]  # (in, out) of q, o, gate, up, down
+        dims = model_dims(TINY_SFT)
+        dense = 2 * (dims.attention_params() + dims.mlp_params(0) - sum(i * o for i, o in nf4))  # k, v, the norms
+        adapters = 8 * sum(i + o for i, o in TINY_SFT_ATTN + TINY_SFT_MLP)
+        for est, gpus in ((one, 1), (eight, 8)):
+            rows = [est.parts[row] for row in ("all_attn", "all_mlp")]
+            stored = sum(nf4_shard_bytes(i, o, gpus)[0] for i, o in nf4)  # each GPU's NF4 shards
+            # the other 2-byte frozen weights, the adapters' fp32 master copies: all divided by the GPUs
+            assert sum(r["master_params"] for r in rows) == 4 * (stored + (dense + 4 * adapters) / gpus)
+            assert sum(r["opt_states"] for r in rows) == 4 * 8 * adapters / gpus
+            gathered = sum(nf4_shard_bytes(i, o, gpus)[1] for i, o in nf4[2:])  # one layer's MLP, gathered
+            assert est.parts["layer_mlp"]["params"] == gathered + 2 * 8 * (3 * 128 + 3 * 384) + 2 * 128  # + norm
+        # three GPUs cannot split the 128 rows of q, o and down into NF4 shards: those stay 2-byte weights
+        three = _lora_est(8, qlora=True, gpus_per_node=3)
+        assert three.params["nf4_weights"] == 4 * 2 * 128 * 384
+
+    def test_qlora_refuses_what_xtl_does_not_shard_it_with(self, capsys: pytest.CaptureFixture) -> None:
+        for option in (["--tp", "2"], ["--zero", "1"]):
+            assert memory.main(["qwen3-8b", "--gpus-per-node", "8", "--lora-rank", "8", "--qlora", *option]) == 2
+            assert "xtl's QLoRA shards its NF4 weights with FSDP (--zero 3)" in capsys.readouterr().err
+
     @pytest.mark.parametrize("variant", sorted(TINY_HF_CONFIGS))
     def test_linear_layers_and_adapters_equal_the_built_model(self, variant: str) -> None:
         from torch import nn
@@ -903,11 +954,11 @@ class TestLoRA:
         assert "give a LoRA rank" in capsys.readouterr().err
         assert memory.main([*base, "--lora-rank", "8", "--lora-targets", "wq"]) == 2
         assert "match no linear layer" in capsys.readouterr().err
-        assert memory.main(["deepseek-v3", "--nodes", "4", "--ep", "32", "--lora-rank", "8", "--qlora"]) == 2
-        assert "QLoRA trains on one device, not 32" in capsys.readouterr().err  # as xtl fit refuses it
+        ep = _json(capsys, "deepseek-v3", "--nodes", "4", "--ep", "32", "--lora-rank", "8", "--qlora")
+        assert ep["setup"]["gpus"] == 32 and ep["params"]["nf4_weights"] > 0  # FSDP QLoRA with experts split
         assert memory.main(["qwen3-8b", "--seq-len", "4096", "--lora-rank", "8", "--qlora"]) == 0
         text = capsys.readouterr().out
-        assert "gpus 1," in text, "--qlora alone: one GPU"
+        assert "gpus 8," in text, "--qlora alone: the default layout, sharded"
         assert "lora: rank 8" in text and "NF4 for the adapted layers" in text
 
     def test_recipe_with_the_lora_and_qlora_fragments(self, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

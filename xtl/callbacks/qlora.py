@@ -22,7 +22,15 @@ class QLoRA(pl.Callback, ModelTransform):
     compute dtype in each matmul; the adapters keep the parameter dtype. Layers whose weight NF4 cannot store
     (element count not a multiple of 16384) stay in their dtype, with a note. A callback of its own, so that
     ``callbacks/qlora.yaml`` composes with ``callbacks/lora.yaml``; the run needs exactly one
-    :class:`~xtl.callbacks.LoRA` callback. Single device only for now (a sharded strategy is refused).
+    :class:`~xtl.callbacks.LoRA` callback.
+
+    Under :class:`~xtl.strategies.FSDPStrategy` (FSDP2, with expert or context parallelism and HSDP too) the NF4
+    weights are sharded like the others (FSDP QLoRA): each weight, loaded into its shards, is quantized whole as one
+    process quantizes it and every rank keeps the NF4 rows of its shard, which FSDP all-gathers as NF4 for each
+    forward and backward; the adapters are sharded, reduced and optimized like any trained parameter. A layer whose
+    rows do not split evenly over the shard ranks into whole blocks of 64 weights stays in its dtype, with the
+    reason (:mod:`xtl.module.nf4`). ``param_dtype: bfloat16`` dequantizes the gathered NF4 weight to bf16 in each
+    matmul, as ``bf16-mixed`` autocast does on one device. FSDP's ``cpu_offload`` is refused (not built).
 
     Args:
         quantize_base: The 4-bit format: ``nf4``.
@@ -38,17 +46,18 @@ class QLoRA(pl.Callback, ModelTransform):
         self.quantize_all_linear = quantize_all_linear
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """Check the run before any weight is loaded: one LoRA callback, no sharded strategy."""
+        """Check the run before any weight is loaded: one LoRA callback, no FSDP CPU offload."""
         loras = [cb for cb in trainer.callbacks if isinstance(cb, LoRA)]
         if len(loras) != 1:
             raise ConfigError(
                 f"QLoRA quantizes the base weights of LoRA adapters: the run needs one LoRA callback, it has "
                 f"{len(loras)} (add --config callbacks/lora.yaml before callbacks/qlora.yaml)"
             )
-        if pl_module.parallelizer.shards_parameters:
+        if pl_module.parallelizer.offloads_parameters:
             raise ConfigError(
-                f"QLoRA is single-device for now: drop callbacks/qlora.yaml under {type(trainer.strategy).__name__}, "
-                "or train on one device"
+                "QLoRA under FSDP quantizes the sharded weights on the training device; with "
+                "trainer.strategy.init_args.cpu_offload they live on the CPU, which is not built yet: remove "
+                "cpu_offload (the NF4 weights take about an eighth of bf16 ones)"
             )
 
     def transform_model(self, model: BaseModel) -> BaseModel:
@@ -60,7 +69,8 @@ class QLoRA(pl.Callback, ModelTransform):
         return {"qlora": True, "qlora_all_linear": self.quantize_all_linear}
 
     def after_weights(self, model: BaseModel) -> BaseModel:
-        """Store the loaded frozen base weights in NF4 (:func:`xtl.module.nf4.quantize_base_weights`)."""
+        """Store the loaded frozen base weights in NF4 (:func:`xtl.module.nf4.quantize_base_weights`; sharded
+        weights: on every rank, each keeping its shard)."""
         head = model.text_model().lm_head
         rank_zero_info(quantize_base_weights(model, self.quantize_all_linear, head))
         return model

@@ -138,6 +138,11 @@ class FSDPStrategy(ShardedStrategyMixin, ModelParallelStrategy):
         return {"num_replicas": self.layout.dp_size, "rank": self.layout.data_rank(self.global_rank)}
 
     @property
+    def offloads_parameters(self) -> bool:
+        """``cpu_offload``."""
+        return self.cpu_offload
+
+    @property
     def gathered_dtype(self) -> torch.dtype | None:
         """``param_dtype``: what FSDP2 gathers the parameters in for compute."""
         return getattr(torch, self.param_dtype) if self.param_dtype else None

@@ -190,6 +190,11 @@ class ParallelizingStrategy(ABC):
         """The dtype parameters are gathered and computed in (``None``: their own)."""
         return None
 
+    @property
+    def offloads_parameters(self) -> bool:
+        """Sharded parameters live on the CPU between their uses (FSDP2's CPU offload)."""
+        return False
+
     def data_group(self) -> Any:
         """The process group the token count and router statistics sum over (``None``: one rank)."""
         return self.meshes.data_group()

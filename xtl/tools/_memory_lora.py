@@ -15,7 +15,10 @@ Per adapted layer of widths ``(in, out)`` and rank ``r``:
   of 256 scalers; others stay in their dtype), ``in * out / 2`` bytes of 4-bit codes, ``in * out / 64`` int8
   scalers, ``4 * in * out / 16384`` bytes of fp32 scaler factors, plus 68 bytes (fp32 scaler mean, 16 fp32 code
   values); each matmul dequantizes its weight through int64 codes and fp32 values, a working set of about 20 bytes
-  per weight of the largest NF4 matrix;
+  per weight of the largest NF4 matrix. Sharded over ``S`` FSDP ranks (:mod:`xtl.module.nf4`), a weight is NF4 only
+  when its ``out`` rows split evenly into whole blocks, and each rank stores its ``out / S`` rows: their codes and
+  scalers, one factor per ``g = gcd(blocks, 256)`` of its ``blocks`` (a shard of half a group keeps that group's
+  factor) and the 68 bytes; the gathered weight holds ``S`` times the codes, scalers and factors;
 - activations per token: ``r`` (the ``lora_A`` output, kept by ``lora_B``). The layer input is kept as before (by
   ``lora_A`` now: a frozen base weight needs no input for its backward). Under selective recompute, which keeps
   every matmul output, ``r + out`` (the ``lora_B`` output too).
@@ -24,6 +27,7 @@ Per adapted layer of widths ``(in, out)`` and rank ``r``:
 from __future__ import annotations
 
 import fnmatch
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -85,6 +89,21 @@ def nf4_bytes(numel: int) -> int:
     return numel // 2 + numel // 64 + 4 * (numel // NF4_GROUP) + 4 + 16 * 4
 
 
+def nf4_shards(fan_in: int, fan_out: int, shard: int) -> bool:
+    """Whether a weight of ``fan_out`` rows of ``fan_in`` can be stored in NF4 sharded over ``shard`` ranks (a
+    multiple of 16384 weights, rows split evenly into whole blocks of 64)."""
+    return fan_in * fan_out % NF4_GROUP == 0 and fan_out % shard == 0 and fan_out // shard * fan_in % 64 == 0
+
+
+def nf4_shard_bytes(fan_in: int, fan_out: int, shard: int) -> tuple[int, int]:
+    """Bytes of an NF4 weight sharded over ``shard`` ranks (:func:`nf4_shards` holds): ``(one rank's shard, the
+    gathered weight)``; ``shard = 1``: :func:`nf4_bytes` twice."""
+    numel = fan_in * fan_out // shard
+    blocks = numel // 64
+    factors = blocks // math.gcd(blocks, 256)
+    return numel // 2 + blocks + 4 * factors + 4 + 16 * 4, shard * (numel // 2 + blocks + 4 * factors) + 4 + 16 * 4
+
+
 @dataclass
 class BlockLoRA:
     """LoRA figures of one block (attention or MLP) of one decoder layer (full tensors, before tensor parallelism).
@@ -94,8 +113,9 @@ class BlockLoRA:
         adapter_params: ``r * (in + out)`` summed over the adapted layers.
         adapter_outputs: ``out`` summed over the adapted layers (the ``lora_B`` outputs).
         nf4_numel: Weights stored in NF4.
-        nf4_bytes: Their storage.
+        nf4_bytes: Their storage (gathered: whole weights).
         largest_nf4: Elements of the largest NF4 weight (0 without one).
+        nf4_shard_bytes: What one rank stores of them (``nf4_bytes`` unsharded).
     """
 
     adapted: list[str]
@@ -104,10 +124,11 @@ class BlockLoRA:
     nf4_numel: int = 0
     nf4_bytes: int = 0
     largest_nf4: int = 0
+    nf4_shard_bytes: int = 0
 
 
 def block_lora(
-    dims: ModelDims, layer: int, rank: int, targets: Sequence[str], qlora: bool, all_linear: bool
+    dims: ModelDims, layer: int, rank: int, targets: Sequence[str], qlora: bool, all_linear: bool, shard: int = 1
 ) -> dict[str, BlockLoRA]:
     """LoRA figures of the attention and MLP blocks of decoder layer ``layer``.
 
@@ -118,6 +139,7 @@ def block_lora(
         targets: ``target_modules`` patterns.
         qlora: Base weights in NF4 (of the adapted layers; ``all_linear``: of every linear layer).
         all_linear: With ``qlora``, quantize every linear layer of the decoder layer, adapted or not.
+        shard: FSDP ranks the weights are sharded over (1: whole weights).
 
     Returns:
         ``{"attn": ..., "mlp": ...}``.
@@ -129,12 +151,23 @@ def block_lora(
             block.adapted.append(name)
             block.adapter_params += rank * (fan_in + fan_out)
             block.adapter_outputs += fan_out
-        numel = fan_in * fan_out
-        if qlora and (adapted or all_linear) and numel % NF4_GROUP == 0:
-            block.nf4_numel += numel
-            block.nf4_bytes += nf4_bytes(numel)
-            block.largest_nf4 = max(block.largest_nf4, numel)
+        if qlora and (adapted or all_linear) and nf4_shards(fan_in, fan_out, shard):
+            stored, gathered = nf4_shard_bytes(fan_in, fan_out, shard)
+            block.nf4_numel += fan_in * fan_out
+            block.nf4_bytes += gathered
+            block.nf4_shard_bytes += stored
+            block.largest_nf4 = max(block.largest_nf4, fan_in * fan_out)
     return blocks
 
 
-__all__ = ["DEFAULT_TARGETS", "NF4_DEQUANT_BYTES", "BlockLoRA", "block_lora", "layer_linears", "matches", "nf4_bytes"]
+__all__ = [
+    "DEFAULT_TARGETS",
+    "NF4_DEQUANT_BYTES",
+    "BlockLoRA",
+    "block_lora",
+    "layer_linears",
+    "matches",
+    "nf4_bytes",
+    "nf4_shard_bytes",
+    "nf4_shards",
+]

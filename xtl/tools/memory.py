@@ -22,7 +22,9 @@ LoRA (``--lora-rank R``, or a recipe's ``LoRA`` callback): the base weights are 
 states -- and the adapters, ``r * (in + out)`` parameters per adapted linear layer, train like any parameter; each
 adapted layer keeps ``r`` more activation elements per token (``r + out`` under selective recompute). QLoRA
 (``--qlora``) stores the adapted layers' base weights in NF4 (about 4.13 bits each) and adds the working set of
-dequantizing the largest one. See :mod:`xtl.tools._memory_lora`.
+dequantizing the largest one; under FSDP (ZeRO-3, as ``xtl fit`` trains QLoRA on several GPUs) each GPU stores its
+shard of the NF4 weights (and of the adapters and their optimizer states) and gathers one layer's NF4 weights. See
+:mod:`xtl.tools._memory_lora`.
 
 ``--config`` reads these settings from a recipe (plus fragments), merged as ``xtl fit`` merges them
 (:func:`read_recipe`).
@@ -555,11 +557,6 @@ def run(args: argparse.Namespace) -> int:
     if recipe is not None and model:
         recipe.read_from["model"] = f"{model} (command line; model.init_args.model is {recipe.model!r})"
     setup = TrainSetup(**(recipe.setup if recipe is not None else {}) | _explicit_setup(args))
-    if setup.qlora and setup.gpus > 1:
-        raise ToolInputError(
-            f"--qlora: xtl's QLoRA trains on one device, not {setup.gpus}; give --gpus-per-node 1 --nodes 1 "
-            "(without --qlora, LoRA shards over several GPUs)"
-        )
     est = estimate_memory(dims, setup)
     gpu_memory, source = args.gpu_memory, "--gpu-memory"
     if gpu_memory is None and recipe is not None and recipe.gpu_memory is not None:
@@ -646,8 +643,6 @@ def _layers_kept_bytes(fields: dict, seq_len: int, options: dict) -> tuple[float
 def _explicit_setup(args: argparse.Namespace) -> dict[str, Any]:
     """The :class:`TrainSetup` fields given on the command line (they override a recipe's)."""
     given = {f.name: getattr(args, f.name) for f in fields(TrainSetup) if getattr(args, f.name, None) is not None}
-    if given.get("qlora") and "nodes" not in given and "gpus_per_node" not in given:
-        given.update(nodes=1, gpus_per_node=1)  # QLoRA is single-device: one GPU unless the layout is given
     if args.offload_every_n_layers is not None or args.offload_layers is not None:
         given.setdefault("offload", True)
         if args.offload_layers is None:
@@ -765,6 +760,11 @@ def _lora_problems(dims: ModelDims, s: TrainSetup) -> list[str]:
         return ["the LoRA rank must be >= 0 and the frozen weight size >= 1 byte"]
     if s.qlora and not s.lora_rank:
         return ["QLoRA quantizes the frozen base weights under LoRA adapters: give a LoRA rank (--lora-rank R)"]
+    if s.qlora and (s.tp > 1 or s.pp > 1 or (s.zero == 1 and s.gpus > 1)):
+        return [
+            f"--qlora: xtl's QLoRA shards its NF4 weights with FSDP (--zero 3), without tensor or pipeline "
+            f"parallelism; got --tp {s.tp} --pp {s.pp} --zero {s.zero}: give --tp 1 --pp 1 --zero 3"
+        ]
     if not s.lora_rank:
         return []
     targets = s.lora_targets if s.lora_targets is not None else DEFAULT_TARGETS
@@ -886,17 +886,17 @@ class _Estimator:
 
     def _weights(self, count: float) -> dict[str, float]:
         """Columns of ``count`` non-expert parameters: trained, or frozen under LoRA."""
-        return self._frozen(count, 0.0, 0.0) if self.s.lora_rank else self._full(count) | self._states(count, 0)
+        return self._frozen(count, 0.0, 0.0, 0.0) if self.s.lora_rank else self._full(count) | self._states(count, 0)
 
-    def _frozen(self, dense: float, expert: float, nf4_bytes: float) -> dict[str, float]:
-        """Columns of frozen weights (LoRA base): ``dense`` / ``expert`` parameters in ``frozen_bytes`` plus
-        ``nf4_bytes`` of NF4 weights; no gradients, no optimizer state.
+    def _frozen(self, dense: float, expert: float, nf4_bytes: float, nf4_stored: float) -> dict[str, float]:
+        """Columns of frozen weights (LoRA base): ``dense`` / ``expert`` parameters in ``frozen_bytes`` plus NF4
+        weights of ``nf4_bytes`` gathered, ``nf4_stored`` per GPU; no gradients, no optimizer state.
 
-        ZeRO-3 stores them sharded (``master_params``: the stored copy) and gathers one layer in the compute dtype
-        (NF4 weights gathered as NF4: ``params``); ZeRO-1 keeps them whole (``params``).
+        ZeRO-3 stores them sharded (``master_params``: the stored copy; NF4: each GPU's shard) and gathers one layer
+        in the compute dtype (NF4 weights gathered as NF4: ``params``); ZeRO-1 keeps them whole (``params``).
         """
         s = self.s
-        stored = (dense * s.stored_frozen_bytes + nf4_bytes) / self.shard
+        stored = dense * s.stored_frozen_bytes / self.shard + nf4_stored
         stored += expert * s.stored_frozen_bytes / self.expert_shard
         zero = dict.fromkeys(("grads", "opt_states", "master_grads"), 0.0)
         if s.zero == 3:
@@ -908,7 +908,10 @@ class _Estimator:
         if layer not in self._lora_cache:
             s = self.s
             targets = s.lora_targets if s.lora_targets is not None else DEFAULT_TARGETS
-            self._lora_cache[layer] = block_lora(self.d, layer, s.lora_rank, targets, s.qlora, s.qlora_all_linear)
+            shard = self.shard if s.zero == 3 else 1  # the FSDP ranks that shard each NF4 weight
+            self._lora_cache[layer] = block_lora(
+                self.d, layer, s.lora_rank, targets, s.qlora, s.qlora_all_linear, shard
+            )
         return self._lora_cache[layer]
 
     def _lora_params(self) -> dict[str, int]:
@@ -953,7 +956,7 @@ class _Estimator:
         if not self.s.lora_rank:
             return self._full(dense + expert) | self._states(dense, expert) | {"acts": act}
         block, tp = self._lora(layer)[which], self.s.tp
-        frozen = self._frozen(dense - block.nf4_numel / tp, expert, block.nf4_bytes / tp)
+        frozen = self._frozen(dense - block.nf4_numel / tp, expert, block.nf4_bytes / tp, block.nf4_shard_bytes / tp)
         adapters = self._full(block.adapter_params / tp) | self._states(block.adapter_params / tp, 0)
         part = {col: frozen[col] + adapters[col] for col in frozen}
         return part | {"acts": act + self._adapter_act_bytes(layer, which) * self.tokens}
