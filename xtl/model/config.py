@@ -111,6 +111,11 @@ class TransformerConfig:
         return 0.0
 
     @property
+    def placeholder_token_ids(self) -> dict[str, int]:
+        """The ids of the tokens that stand for an image or a video, by their field name (none in a text model)."""
+        return {}
+
+    @property
     def language_config(self) -> TransformerConfig:
         """The config of the language model: this one (a vision-language config returns its ``text_config``)."""
         return self

@@ -38,8 +38,6 @@ _DTYPES = ("float32", "bfloat16")
 # The engine's modes and tolerance presets, spelled out so that --help does not import torch (a test keeps them equal).
 MODES = ("hf_impl", "fast")
 CUT_VOCAB = 4096  # vocabulary of a random model cut with --max-layers
-# A vision-language config's placeholder ids: generated documents avoid them; a cut vocabulary keeps them (last ids).
-_VISION_TOKENS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
 TOLERANCE_CHOICES = ("auto", "bitwise", "bitwise_forward", "fp32", "bf16", "fp8")
 
 
@@ -173,8 +171,9 @@ def _xtl_config(name: str, directory: Path | None, max_layers: int | None, rando
             for key, value in {**ids, "pad_token_id": text.pad_token_id}.items():  # ids the cut vocabulary lacks
                 if isinstance(value, int) and value >= vocab:
                     changes[key] = None
-            if text is not config and any(getattr(config, key) >= vocab for key in _VISION_TOKENS):
-                vision = {key: vocab - len(_VISION_TOKENS) + i for i, key in enumerate(_VISION_TOKENS)}
+            placeholders = config.placeholder_token_ids
+            if any(value >= vocab for value in placeholders.values()):
+                vision = {key: vocab - len(placeholders) + i for i, key in enumerate(placeholders)}
         if text is config:
             config = dataclasses.replace(config, **changes)
         else:
@@ -194,10 +193,14 @@ def _reference_config(directory: Path | None, config: Any, random: bool) -> Any:
     hf_config = truncated_hf_config(hf_config, text.num_hidden_layers)
     hf_text = hf_config.get_text_config(decoder=True)
     if random and text.vocab_size < hf_text.vocab_size:
-        for key in ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id"):
-            setattr(hf_text, key, getattr(text, key))
-        for key in _VISION_TOKENS if text is not config else ():
-            setattr(hf_config, key, getattr(config, key))
+        hf_text.vocab_size = text.vocab_size
+        hf_text.bos_token_id, hf_text.eos_token_id, hf_text.pad_token_id = (
+            text.bos_token_id,
+            text.eos_token_id,
+            text.pad_token_id,
+        )
+        for key, value in config.placeholder_token_ids.items():
+            setattr(hf_config, key, value)
     return hf_config
 
 
@@ -233,7 +236,7 @@ def _documents(args: argparse.Namespace, directory: Path | None, config: Any) ->
     from xtl.model.parity import ParityDocuments
 
     vocab_size = config.vocab_size
-    placeholders = {getattr(config, key) for key in _VISION_TOKENS if hasattr(config, key)}
+    placeholders = set(config.placeholder_token_ids.values())
     if args.text is None:
         if args.max_tokens < args.num_docs:
             raise ToolInputError(f"--max-tokens {args.max_tokens} is fewer than --num-docs {args.num_docs}")
@@ -257,7 +260,8 @@ def _documents(args: argparse.Namespace, directory: Path | None, config: Any) ->
     documents = ParityDocuments.from_token_lists([tokenizer(t)["input_ids"] for t in texts], args.max_tokens)
     if documents.max_token_id() >= vocab_size:
         raise ToolInputError(f"the tokenizer of {source} yields ids >= the model's vocab_size {vocab_size}")
-    images = {getattr(config, key) for key in ("image_token_id", "video_token_id") if hasattr(config, key)}
+    ids = config.placeholder_token_ids
+    images = {ids[key] for key in ("image_token_id", "video_token_id") if key in ids}
     if any(t in images for doc in documents.input_ids for t in doc.tolist()):
         raise ToolInputError(
             f"--text {args.text} holds image or video placeholders (ids {sorted(images)}): check-parity reads no "

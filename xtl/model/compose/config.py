@@ -141,6 +141,16 @@ class Qwen3VLConfig:
         return self.text_config.routed_experts
 
     @property
+    def placeholder_token_ids(self) -> dict[str, int]:
+        """The image, video and vision start / end token ids, by their field name."""
+        return {
+            "image_token_id": self.image_token_id,
+            "video_token_id": self.video_token_id,
+            "vision_start_token_id": self.vision_start_token_id,
+            "vision_end_token_id": self.vision_end_token_id,
+        }
+
+    @property
     def language_config(self) -> Any:
         """The language model's config (``text_config``)."""
         return self.text_config
