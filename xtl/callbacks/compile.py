@@ -41,8 +41,18 @@ class Compile(pl.Callback, ModelTransform):
     layers, final norm, supervised-row selection and head + loss. The packed attention mask is built eagerly (a
     graph break; its document bounds would be guarded on), and where the layer loop meets an eager part Dynamo
     cannot resume inside the loop, so each layer call becomes its own frame: cross-layer fusion needs
-    ``compile_attention: true``. One device only (FSDP and expert parallelism compile per layer), text models only
-    (a vision-language model's image merge follows the data), and not with ``fullgraph`` (the mask's graph break).
+    ``compile_attention: true`` on one device. An MoE model's router statistics run eagerly (they count the real
+    tokens, which follow the padding); a pack whose head runs on every row (no row selection) takes the forward's
+    other branch, a second variant compiled once. Not with ``fullgraph`` (the mask's graph break).
+
+    Under the FSDP2 strategy (also with expert or context parallelism) the hooks FSDP2 puts around each sharded
+    layer are such an eager part: torch runs them outside Dynamo (``torch._dynamo.disable``; no option traces
+    them), so each layer call is its own frame with FSDP's unshard, reshard and prefetch around it, and the root's
+    hooks run before and after the compiled forward. The backward is each frame's AOTAutograd backward, joined by
+    FSDP's eager autograd hooks (no compiled autograd). Tested against eager on 2 ranks with ``aot_eager``: losses
+    and gradients bitwise with a bf16 ``param_dtype``, in fp32 gradients to the last bits (sums at the graph
+    breaks). In a vision-language model the language model is compiled so; the vision tower and the image merge
+    run eagerly before it (their sizes follow the data) and the DeepStack additions as eager hooks.
 
     The LM head and loss run on the supervised rows only, whose number changes with every pack: that dimension is
     marked dynamic before the first call, so new row counts never compile again.
@@ -111,13 +121,7 @@ class Compile(pl.Callback, ModelTransform):
 
         Raises:
             ValueError: When the datamodule does not pad packs to ``pack_max_length`` and ``dynamic`` is not true.
-            ConfigError: ``scope: model`` on more than one device.
         """
-        if self.scope == "model" and trainer.world_size > 1:
-            raise ConfigError(
-                f"Compile scope: model compiles the whole forward on one device; on {trainer.world_size} devices "
-                "(FSDP, expert parallelism) set scope: layers"
-            )
         datamodule = run_datamodule(trainer)
         if self.dynamic is not True and datamodule is not None and not datamodule.pad_to_max_length:
             raise ValueError(
@@ -143,11 +147,6 @@ class Compile(pl.Callback, ModelTransform):
         if self.scope == "model" and self.fullgraph:
             raise ConfigError(
                 "Compile scope: model builds the packed attention mask eagerly (a graph break): set fullgraph: false"
-            )
-        if self.scope == "model" and model.vision_blocks() is not None:
-            raise ConfigError(
-                "Compile scope: model compiles text models; a vision-language model's image merge follows the data: "
-                "set scope: layers"
             )
         for part in eager:
             part.forward = torch.compiler.disable(part.forward, recursive=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 
+@torch.compiler.disable  # eager under a compiled forward: the counted tokens' number follows the data (padding)
 def router_statistics(
     logits: torch.Tensor, probs: torch.Tensor, topk_ids: torch.Tensor, token_mask: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -118,6 +118,7 @@ class MoE(Dense):
             return (rows // 2, rows // 2)
         return super().hf_matrix_rows(key, rows)
 
+    @torch.compiler.disable  # eager under a compiled forward: a pack with padding and one without would compile twice
     def _extras(self, stats: list, hidden: torch.Tensor, token_mask: torch.Tensor | None) -> dict[str, torch.Tensor]:
         num_tokens = hidden.shape[0] * hidden.shape[1] if token_mask is None else token_mask.sum()
         num_tokens = torch.as_tensor(num_tokens, dtype=torch.int64, device=hidden.device)
@@ -139,6 +140,7 @@ class MoE(Dense):
         }
 
 
+@torch.compiler.disable  # eager under a compiled forward: the padding count would be guarded on, a recompile
 def router_token_mask(
     hidden: torch.Tensor, attention_mask: torch.Tensor | None, seq_ctx: SequenceContext | None
 ) -> torch.Tensor | None:
