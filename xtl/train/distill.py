@@ -137,7 +137,8 @@ class DistillModule(LanguageModule):
             raise ConfigError(f"{KEY}.top_k must be >= 1 (or null: the whole vocabulary), got {top_k}")
         if self.family.vision:
             raise ConfigError(
-                f"{KEY}.model: DistillModule trains text models; a vision-language student is not supported"
+                f"{KEY}.model: DistillModule trains text models; a vision-language student is not supported yet: "
+                "finetune it on the teacher's answers instead (LanguageModule on the teacher's generations)"
             )
         self.teacher_config, self.teacher_dir = resolve_model_config(teacher, teacher_overrides)
         _check_teacher(self.teacher_config, self.model_config)

@@ -65,7 +65,8 @@ class RewardModule(PairMetrics, LanguageModule):
         if self.family.vision:
             raise ConfigError(
                 f"model.init_args.model: RewardModule trains text models; {config.model_type} is a vision-language "
-                "model (xtl has no sequence-classification head for it)"
+                "model, and transformers has no sequence-classification class to load its export: train the reward "
+                "model on a text model, or score vision-language rollouts with a rule judger (xtl.rl.ExactMatchJudger)"
             )
         if config.num_labels > 1:
             raise ConfigError(
