@@ -42,6 +42,7 @@ class IndexChat:
     """A chat format whose prompt of a row is ``[index]`` and whose answer is the last token before the stop."""
 
     stop_token_ids = (STOP,)
+    vision = None  # text prompts
 
     def prompt_ids(self, messages, tools=None):
         return [int(messages[-1]["content"])]
@@ -87,6 +88,9 @@ class TestProduceBatch:
         groups, stats = _produce(engine, FunctionJudger(_reward), ReplayBuffer(), dynamic_sampling=True, max_rounds=3)
         assert [g.row["index"] for g in groups] == [1, 3] and all(g.has_signal for g in groups)
         assert stats.states[SampleState.FILTERED] == 8 and stats.rounds == 3  # 0+1, then 2, then 3
+        metrics = stats.metrics()
+        assert metrics["rollout/reward_mean"] == 0.5, "the trained groups"
+        assert metrics["rollout/sampled_reward_mean"] == 4 / 16, "every judged sample, filtered groups included"
 
     def test_without_dynamic_sampling_such_groups_train(self) -> None:
         groups, stats = _produce(ScriptedEngine({1: 2}), FunctionJudger(_reward), ReplayBuffer())

@@ -55,9 +55,8 @@ class FakeLLM:
                     break
             reason = "stop" if ids[-1] in params["stop_token_ids"] else "length"
             logprobs = [{t: SimpleNamespace(logprob=-0.1 * t)} for t in ids]
-            outs.append(
-                SimpleNamespace(outputs=[SimpleNamespace(token_ids=ids, logprobs=logprobs, finish_reason=reason)])
-            )
+            completion = SimpleNamespace(token_ids=ids, logprobs=logprobs, finish_reason=reason)
+            outs.append(SimpleNamespace(prompt_token_ids=prompt["prompt_token_ids"], outputs=[completion]))
         return outs
 
     def reset_prefix_cache(self) -> None:

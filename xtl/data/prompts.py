@@ -5,7 +5,12 @@ A row of a prompt source is a JSONL object with ``messages`` (a trailing assista
 not part of the prompt) or ``prompt`` (messages or text), and optionally ``answer`` (the reference answer; it wins
 over a trailing assistant turn) and ``data_source`` (judgers route on it; default: the source's ``data_source``).
 A source's ``match`` keeps the rows whose last user message matches a regular expression (e.g. the arithmetic part
-of a mixed set).
+of a mixed set; the text parts of a message whose content is a list of parts).
+
+A message's content may be a list of parts, as in chat SFT data for vision-language models
+(:mod:`xtl.data.multimodal`): ``{"type": "text", "text": ...}`` and ``{"type": "image", "image": path}``. Image paths
+are resolved relative to the JSONL file's folder (as the SFT path does) and must exist; the row keeps its image parts,
+with absolute paths, and lists the paths under ``images`` in order of appearance (absent for a row without images).
 
 The RL module draws its prompts itself (:meth:`PromptSet.take`): how many depends on what it filters and refills,
 which a data loader cannot know ahead. The order is a seeded permutation per epoch; the state is one number, the
@@ -50,7 +55,8 @@ class PromptSet:
 
     @property
     def rows(self) -> list[dict[str, Any]]:
-        """The rows (read once): ``prompt`` (messages), ``answer``, ``data_source``, ``index``.
+        """The rows (read once): ``prompt`` (messages), ``answer``, ``data_source``, ``index`` and, for a row with
+        images, ``images`` (their absolute paths).
 
         Raises:
             DataError: No row at all, or a bad source (see :func:`read_prompt_rows`).
@@ -118,10 +124,11 @@ class StepTickets(torch.utils.data.IterableDataset):
 
 
 def read_prompt_rows(sources: list[SourceSpec]) -> list[dict[str, Any]]:
-    """The rows of ``sources``, in order, as ``{"prompt", "answer", "data_source", "index"}``.
+    """The rows of ``sources``, in order, as ``{"prompt", "answer", "data_source", "index"}`` (and ``images``, the
+    absolute paths of a row's images, when it has some).
 
     Raises:
-        DataError: A missing file, a bad line (``file:line``), a bad ``match`` pattern.
+        DataError: A missing file, a bad line (``file:line``), a bad ``match`` pattern, a missing image.
     """
     rows: list[dict[str, Any]] = []
     for source in sources:
@@ -139,13 +146,13 @@ def read_prompt_rows(sources: list[SourceSpec]) -> list[dict[str, Any]]:
             for lineno, line in enumerate(f, start=1):
                 if not line.strip():
                     continue
-                row = _prompt_row(line, f"{path}:{lineno}", default_source, source.messages_key)
+                row = _prompt_row(line, f"{path}:{lineno}", default_source, source.messages_key, path.parent)
                 if pattern is None or pattern.search(_last_user_text(row["prompt"])):
                     rows.append({**row, "index": len(rows)})
     return rows
 
 
-def _prompt_row(line: str, where: str, default_source: str, messages_key: str) -> dict[str, Any]:
+def _prompt_row(line: str, where: str, default_source: str, messages_key: str, root: Path) -> dict[str, Any]:
     try:
         record = json.loads(line)
     except json.JSONDecodeError as err:
@@ -163,9 +170,40 @@ def _prompt_row(line: str, where: str, default_source: str, messages_key: str) -
             prompt = prompt[:-1]
     if not isinstance(prompt, list) or not prompt or not all(isinstance(m, dict) for m in prompt):
         raise DataError(f"{where}: the prompt must be a non-empty list of {{'role': ..., 'content': ...}}")
-    return {"prompt": prompt, "answer": answer, "data_source": record.get("data_source", default_source)}
+    images: list[str] = []
+    prompt = [_resolve_images(m, where, root, images) for m in prompt]
+    row = {"prompt": prompt, "answer": answer, "data_source": record.get("data_source", default_source)}
+    if images:
+        row["images"] = images
+    return row
+
+
+def _resolve_images(message: dict[str, Any], where: str, root: Path, images: list[str]) -> dict[str, Any]:
+    """``message`` with the paths of its image parts made absolute (relative ones are relative to ``root``),
+    appended to ``images``."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return message
+    parts = []
+    for part in content:
+        if isinstance(part, dict) and part.get("type") == "image":
+            value = part.get("image", part.get("path"))
+            if not isinstance(value, str) or not value:
+                raise DataError(f"{where}: an image part needs 'image': a file path, got {value!r}")
+            path = Path(value).expanduser()
+            path = path if path.is_absolute() else root / path
+            if not path.is_file():
+                raise DataError(f"{where}: image {path} does not exist; fix the path (relative to the JSONL file)")
+            images.append(str(path.resolve()))
+            part = {**{k: v for k, v in part.items() if k != "path"}, "image": images[-1]}
+        parts.append(part)
+    return {**message, "content": parts}
 
 
 def _last_user_text(messages: list[dict[str, Any]]) -> str:
     users = [m.get("content") for m in messages if m.get("role") == "user"]
-    return users[-1] if users and isinstance(users[-1], str) else ""
+    if not users:
+        return ""
+    if isinstance(users[-1], list):  # content parts: their text
+        return "".join(str(p.get("text", "")) for p in users[-1] if isinstance(p, dict) and p.get("type") == "text")
+    return users[-1] if isinstance(users[-1], str) else ""

@@ -15,6 +15,9 @@ With partial rollouts (``partial_tokens``), each engine call samples at most ``p
 completion: a group whose completions are not all finished waits in the buffer (its samples keep their tokens and
 the engine's log-probabilities of them) and is continued first by the next batch, with the weights of that time.
 
+A sample of a prompt with images (a vision-language policy) keeps the paths of its prompt's images (``images``): its
+turns, its continuations and its updates all read them.
+
 :func:`produce_batch` collects ``num_groups`` trainable groups: leftovers from earlier rounds first (when still fresh
 enough), then new prompts, generated, judged and (with dynamic sampling) filtered, round after round until enough
 groups are in or ``max_rounds`` is spent. Groups beyond ``num_groups`` stay in the buffer for the next batch. Each
@@ -39,6 +42,7 @@ from xtl.rl.agent.loop import AgentContext, AgentLoop, lockstep_generate
 from xtl.rl.agent.trajectory import Segment, Trajectory
 from xtl.rl.judger import BaseJudger, RolloutState
 from xtl.rl.rollout import RolloutEngine, SamplingSettings
+from xtl.rl.vision import PromptImages
 
 # an agent loop's per-trajectory counters, logged per sample as rollout/<name>
 AGENT_COUNTERS = (
@@ -77,6 +81,7 @@ class Sample:
         paused: A partial rollout cut at the end of a round, to be continued (its state is ``aborted`` meanwhile).
         resumes: How many times it was continued under newer weights.
         uid: Its id in the rollout trace (``<train step>.<round>.<group>.<completion>`` of the batch that began it).
+        images: The paths of its prompt's images (``None``: a text prompt).
     """
 
     prompt_ids: list[int]
@@ -94,6 +99,7 @@ class Sample:
     paused: bool = False
     resumes: int = 0
     uid: str = ""
+    images: list[str] | None = None
 
     @property
     def segments(self) -> list[Segment]:
@@ -155,6 +161,9 @@ class ProduceStats:
         states: Samples per final state, over every group this batch touched (trained, filtered, left over).
         reward_sum: Sum of the judged rewards of the trained groups.
         reward_count: Judged samples of the trained groups.
+        judged_sum: Sum of the rewards of every sample judged for this batch (before dynamic sampling drops groups:
+            the policy's reward on what it sampled).
+        judged_count: Samples judged for this batch.
         samples: Samples generated for this batch.
         tokens: Completion tokens generated for this batch.
         rounds: Generation rounds.
@@ -174,6 +183,8 @@ class ProduceStats:
     states: Counter = field(default_factory=Counter)
     reward_sum: float = 0.0
     reward_count: int = 0
+    judged_sum: float = 0.0
+    judged_count: int = 0
     samples: int = 0
     tokens: int = 0
     rounds: int = 0
@@ -197,6 +208,7 @@ class ProduceStats:
             "rollout/reward_sum": self.reward_sum,
             "rollout/reward_count": float(self.reward_count),
             "rollout/reward_mean": self.reward_sum / max(self.reward_count, 1),
+            "rollout/sampled_reward_mean": self.judged_sum / max(self.judged_count, 1),
             "rollout/samples": float(self.samples),
             "rollout/tokens": float(self.tokens),
             "rollout/rounds": float(self.rounds),
@@ -363,6 +375,8 @@ def _produce(
         if reward_shaping is not None:
             reward_shaping(finished)
         for group in finished:
+            stats.judged_sum += sum(group.rewards)
+            stats.judged_count += len(group.rewards)
             if dynamic_sampling and not group.has_signal:
                 group.mark(SampleState.FILTERED)
                 stats.states.update(s.state for s in group.samples)
@@ -439,17 +453,19 @@ def _generate_groups(
     size = sampling.group_size
     ids = [f"{step}.{stats.rounds}.{i}.{k}" for i in range(len(rows)) for k in range(size)]
     began = time.perf_counter()
+    expanded = [row for row in rows for _ in range(size)]
+    paths = [row.get("images") for row in expanded]
     with trace.current().span(f"{type(loop).__name__}.rollout", "agent_loop", ids, step):
-        traced = replace(context, sample_ids=ids)
-        trajectories = loop.rollout([row for row in rows for _ in range(size)], engine, sampling, traced)
+        traced = replace(context, sample_ids=ids, images=_images(context, paths))
+        trajectories = loop.rollout(expanded, engine, sampling, traced)
     stats.generation_seconds.append(time.perf_counter() - began)
     stats.samples += len(trajectories)
     stats.tokens += sum(t.sampled_tokens for t in trajectories)
     for trajectory in trajectories:
         stats.agent.update(trajectory.stats)
     samples = [_sample(t) for t in trajectories]
-    for sample, uid in zip(samples, ids, strict=True):
-        sample.uid = uid
+    for sample, uid, images in zip(samples, ids, paths, strict=True):
+        sample.uid, sample.images = uid, None if not images else list(images)
     return [Group(row, samples[i * size : (i + 1) * size], version) for i, row in enumerate(rows)]
 
 
@@ -470,7 +486,8 @@ def _continue(
     began = time.perf_counter()
     prompts = [s.prompt_ids + s.response_ids for s in paused]
     with trace.current().span("engine.generate", "generate", [s.uid for s in paused], step, resumed=len(paused)):
-        rollouts = lockstep_generate(engine, prompts, chunk, context)
+        resumed = replace(context, images=_images(context, [s.images for s in paused]))  # the prompt's images
+        rollouts = lockstep_generate(engine, prompts, chunk, resumed)
     if not paused:
         return
     stats.generation_seconds.append(time.perf_counter() - began)
@@ -485,6 +502,14 @@ def _continue(
         _settle(sample, rollout.finish_reason, max_new_tokens, context, max_resumes)
     for group in groups:
         group.started, group.version = group.first_version, version
+
+
+def _images(context: AgentContext, paths: list[list[str] | None]) -> list[PromptImages | None] | None:
+    """The processed images of each prompt's ``paths`` (``None`` when no prompt has images)."""
+    vision = context.chat.vision
+    if vision is None or not any(paths):
+        return None
+    return [vision.images(p) for p in paths]
 
 
 def _settle(sample: Sample, reason: str, max_new_tokens: int, context: AgentContext, max_resumes: int) -> None:

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from xtl.errors import ConfigError
 from xtl.rl.rollout import LocalRolloutEngine, RolloutEngine, VLLMRolloutEngine, VLLMSettings
+from xtl.rl.vision import PromptImages
 
 KEY = "model.init_args.engine"
 EngineName = Literal["local", "vllm", "ray"]
@@ -69,6 +70,8 @@ def start_engine(
     seed: int = 0,
     group: dist.ProcessGroup | None = None,
     logprobs: bool = False,
+    image_token_id: int | None = None,
+    filler: tuple[list[int], PromptImages] | None = None,
 ) -> RolloutEngine:
     """Start the engine ``settings`` name for the policy ``model``.
 
@@ -82,6 +85,10 @@ def start_engine(
         logprobs: The local engine returns each token's log-probability (partial rollouts: a completion continued
             under newer weights keeps those of the weights that sampled its first tokens). The other engines always
             do.
+        image_token_id: A vision-language policy's ``<|image_pad|>`` id (the vLLM engine sends each image as one
+            placeholder, which vLLM expands itself).
+        filler: A sharded vision-language policy's image filler for the local engine
+            (:class:`~xtl.rl.LocalRolloutEngine`'s ``filler``).
 
     Raises:
         ConfigError: ``vllm`` or ``ray`` without an HF directory or when the run trains adapters such as LoRA's
@@ -89,7 +96,7 @@ def start_engine(
     """
     name = settings.name
     if name == "local":
-        return LocalRolloutEngine(model, group=group, logprobs=logprobs)
+        return LocalRolloutEngine(model, group=group, logprobs=logprobs, filler=filler)
     if hf_dir is None:
         raise ConfigError(f"{KEY}.name: {name} starts from an HF model directory: set model.init_args.model to one")
     if model.adapter_tensors():
@@ -102,4 +109,4 @@ def start_engine(
         return RayRolloutEngine(str(hf_dir), **settings.ray)
     if torch.device(device).type != "cuda":
         raise ConfigError(f"{KEY}.name: vllm needs a GPU (trainer.accelerator: gpu); use local")
-    return VLLMRolloutEngine(str(hf_dir), settings.vllm, seed=seed)
+    return VLLMRolloutEngine(str(hf_dir), settings.vllm, seed=seed, image_token_id=image_token_id)

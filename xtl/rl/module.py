@@ -1,4 +1,5 @@
-"""RL with rollouts and judgers: :class:`GRPOModule` trains any text family with GRPO, Dr.GRPO, DAPO or GSPO.
+"""RL with rollouts and judgers: :class:`GRPOModule` trains any family (text or vision-language) with GRPO,
+Dr.GRPO, DAPO or GSPO.
 
 One ``training_step`` is one optimizer step. When no update is pending, the module produces a rollout batch
 (:func:`xtl.rl.buffer.produce_batch`): ``rollout.prompts_per_step`` prompts per rank from the prompt data,
@@ -21,6 +22,12 @@ With ``rollout.asynchronous``, rollout batches are produced on a thread (:mod:`x
 samples in other processes, while the trainer updates: batch ``n`` is sampled with version ``n - max_staleness``,
 and each token's policy term is weighted by the truncated ratio of the trainer's log-probability to the engine's
 (the behavior policy's).
+
+A vision-language policy (Qwen3-VL, Qwen3-VL-MoE) trains on prompt rows with images (:mod:`xtl.rl.vision`): the
+prompt is rendered with the images' placeholder tokens, the rollout's prefill runs the images through the vision
+tower, and each update's pack carries the images of its sequences, so the old, reference and policy log-probabilities
+see the vision tokens exactly as the rollout did (under routing replay, the recorded routes cover every token of the
+pack, vision tokens included).
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_info
 
 from xtl.data import XTLDataModule
+from xtl.data.multimodal import ImageProcessorConfig
 from xtl.errors import ConfigError
 from xtl.model import ModelOutput
 from xtl.rl.agent.chat import ChatFormat
@@ -59,6 +67,7 @@ from xtl.rl.producer import AsyncProducer, Produced
 from xtl.rl.rollout import DetachedEngine, GreedyEngine, RolloutEngine, SamplingSettings
 from xtl.rl.settings import RolloutSettings, UpdateSettings, moved_key
 from xtl.rl.tasks import TaskMix
+from xtl.rl.vision import PromptImages, PromptVision
 from xtl.train.base import LanguageModule
 from xtl.train.generation import GenerationConfig, chat_prompt_ids, generate, split_thinking, stop_token_ids
 from xtl.train.reference import ReferenceConfig, ReferenceMode, ReferencePolicy, reference_config
@@ -66,7 +75,8 @@ from xtl.train.scorer import pack_values, score_tokens
 
 
 class GRPOModule(LanguageModule):
-    """Group-relative policy optimization of any text family with rollouts and judgers.
+    """Group-relative policy optimization of any family with rollouts and judgers (prompts with images for a
+    vision-language policy).
 
     Args:
         model: The policy: HF directory, alias or config mapping (as :class:`~xtl.train.LanguageModule`).
@@ -170,6 +180,7 @@ class GRPOModule(LanguageModule):
         self._producer_next: int | None = None
         self._agent_lock = threading.Lock()  # the producer's thread and validation share the agent loop
         self._tasks = TaskMix(rollout.tasks) if rollout.tasks else None
+        self._vision: PromptVision | None = None  # a vision-language policy's prompt images (built in setup)
 
     # ---- model -----------------------------------------------------------------------------------------------
 
@@ -183,17 +194,28 @@ class GRPOModule(LanguageModule):
             raise ConfigError("model.init_args.routing_replay: the model has no routed experts to replay; remove it")
 
     def setup(self, stage: str) -> None:
-        """Refuse what RL cannot run: data that is not prompts, models with images."""
+        """Refuse what RL cannot run: data that is not prompts, prompts with images for a text policy or an agent
+        loop that cannot pass them; prepare a vision-language policy's prompt images."""
         super().setup(stage)
-        if self.family.vision:
-            raise ConfigError(
-                f"{type(self).__name__} trains text models; a vision-language policy is not supported yet"
-            )
         datamodule = self._trainer.datamodule if self._trainer is not None else None
         if not isinstance(datamodule, XTLDataModule) or datamodule.prompts is None:
             raise ConfigError(
                 "GRPOModule draws prompts from kind: prompt sources (rows with a prompt and an answer): set "
                 "data.sources[*].kind: prompt"
+            )
+        if self.family.vision:
+            settings = ImageProcessorConfig.from_any(datamodule.image_processor) or ImageProcessorConfig()
+            self._vision = PromptVision(datamodule.load_tokenizer(), settings, datamodule.template)
+        with_images = next((row for row in datamodule.prompts.rows if row.get("images")), None)
+        if with_images is not None and not self.family.vision:
+            raise ConfigError(
+                f"data.sources: prompt rows have images ({with_images['images'][0]}) but the policy is a text model: "
+                "use a vision-language model (qwen3_vl, qwen3_vl_moe) or prompts without image parts"
+            )
+        if with_images is not None and self.agent.image_refusal is not None:
+            raise ConfigError(
+                f"model.init_args.agent: {type(self.agent).__name__} cannot run prompts with images: "
+                f"{self.agent.image_refusal}; use prompts without image parts or another agent loop"
             )
         if self._tasks is not None:
             missing = [task for task in self._tasks.shares if task not in datamodule.prompts.tasks]
@@ -286,10 +308,9 @@ class GRPOModule(LanguageModule):
         the same rollouts (:class:`~xtl.rl.OnlineDPOModule`) overrides it."""
         samples, advantages = self._advantages(groups)
         self._rollout_metrics = self._metrics(stats, groups, samples)
+        settings = (self.updates.micro_batches, self.objective.loss_type, self.sampling.max_new_tokens)
         updates = [
-            cut_micro_batches(
-                chunk, self.updates.micro_batches, self.objective.loss_type, self.sampling.max_new_tokens
-            )
+            cut_micro_batches(chunk, *settings, self._vision, self._image_filler())
             for chunk in split_round_robin(list(zip(samples, advantages)), self.updates.mini_batches)
         ]
         with torch.no_grad():
@@ -325,16 +346,20 @@ class GRPOModule(LanguageModule):
         stop_ids = tuple(sorted({*self.sampling.stop_token_ids, *stop}))
         config = GenerationConfig(max_new_tokens=self.eval_max_new_tokens, stop_token_ids=stop_ids)  # greedy
         group = self.parallelizer.world_group() if self.parallelizer.shards_parameters else None
+        images = self._row_images(batch)
         if isinstance(self.agent, SingleTurnLoop):
             prompts = [self._render(row) for row in batch]
+            pixels = None if images is None else [None if entry is None else entry.inputs for entry in images]
             with self.parallelizer.whole_sequences(self.model):
-                outputs = generate(self.model, prompts, config, group=group).sequences
+                outputs = generate(self.model, prompts, config, group=group, images=pixels).sequences
             answers = [split_thinking(tokenizer.decode([t for t in out if t not in stop]))[1] for out in outputs]
             env_rewards: list[float | None] = [None] * len(batch)
         else:  # the agent loop, greedily: held-out accuracy with the tools or environment the policy trains with
             sampling = replace(self.sampling, max_new_tokens=self.eval_max_new_tokens)
+            context = replace(self._context(), images=images)
+            engine = GreedyEngine(self.model, group=group, filler=self._image_filler())
             with self._agent_lock, self.parallelizer.whole_sequences(self.model):  # not while the producer uses it
-                trajectories = self.agent.rollout(batch, GreedyEngine(self.model, group), sampling, self._context())
+                trajectories = self.agent.rollout(batch, engine, sampling, context)
             answers = [t.response for t in trajectories]
             env_rewards = [t.reward for t in trajectories]
         states, exact = [], []
@@ -405,7 +430,9 @@ class GRPOModule(LanguageModule):
             )
         data = self.parallelizer.meshes.data  # the group on_save_checkpoint gathered over
         state = ranks[0 if data is None else data.get_local_rank()]
-        self._pending = [[RLMicroBatch.from_state(mb) for mb in update] for update in state.get("pending", [])]
+        self._pending = [
+            [RLMicroBatch.from_state(mb, self._vision) for mb in update] for update in state.get("pending", [])
+        ]
         self.buffer.load_state_dict(state.get("buffer", {}))
         self._engine_state = state.get("engine", {})
         if self.engine is not None:
@@ -434,6 +461,8 @@ class GRPOModule(LanguageModule):
             seed=self.sampling.seed + rank,
             group=group,
             logprobs=self.rollout.partial_tokens is not None,
+            image_token_id=None if self._vision is None else self._vision.image_token_id,
+            filler=self._image_filler(),
         )
 
     def _stop_token_ids(self) -> tuple[int, ...]:
@@ -451,15 +480,28 @@ class GRPOModule(LanguageModule):
         key = (datamodule.load_tokenizer(), datamodule.template)
         if self._chat is None or self._chat[0] != key:
             stop = tuple(sorted({*self._stop_token_ids(), *self.sampling.stop_token_ids}))
-            self._chat = (key, ChatFormat(key[0], key[1], datamodule.template_kwargs, stop))
+            self._chat = (key, ChatFormat(key[0], key[1], datamodule.template_kwargs, stop, self._vision))
         agree = self._most_over_data_ranks if self.parallelizer.shards_parameters else None
         return AgentContext(self._chat[1], agree)
 
     def _render(self, row: dict[str, Any]) -> list[int]:
+        """The prompt ids of ``row`` (its images as their placeholders)."""
         datamodule = self.trainer.datamodule
-        return chat_prompt_ids(
-            datamodule.load_tokenizer(), row["prompt"], datamodule.template, datamodule.template_kwargs
-        )
+        messages = row["prompt"] if self._vision is None else self._vision.text_messages(row["prompt"])
+        return chat_prompt_ids(datamodule.load_tokenizer(), messages, datamodule.template, datamodule.template_kwargs)
+
+    def _image_filler(self) -> tuple[list[int], PromptImages] | None:
+        """The image filler of a sharded vision-language policy's forwards without images (every rank runs the
+        vision tower in every forward: :mod:`xtl.rl.vision`); ``None`` otherwise."""
+        if self._vision is None or not self.parallelizer.shards_parameters:
+            return None
+        return self._vision.filler()
+
+    def _row_images(self, rows: list[dict[str, Any]]) -> list[PromptImages | None] | None:
+        """The processed images of each row (``None`` when no row has images)."""
+        if self._vision is None or not any(row.get("images") for row in rows):
+            return None
+        return [self._vision.images(row.get("images")) for row in rows]
 
     def _produce(self) -> None:
         """Produce a rollout batch and cut it into the pending updates."""

@@ -46,9 +46,10 @@ from xtl.rl.buffer import Group, ProduceStats, Sample, SampleState
 from xtl.rl.engines import EngineSettings
 from xtl.rl.judger import BaseJudger
 from xtl.rl.module import GRPOModule
-from xtl.rl.packing import RLMicroBatch, pack_sequences, split_round_robin
+from xtl.rl.packing import RLMicroBatch, pack_sequences, sample_images, split_round_robin
 from xtl.rl.rollout import SamplingSettings
 from xtl.rl.settings import RolloutSettings, UpdateSettings
+from xtl.rl.vision import PromptImages, PromptVision
 from xtl.train.preference_loss import METRICS, PreferenceLoss, SequenceLogps
 from xtl.train.reference import ReferenceConfig, ReferenceMode
 
@@ -137,20 +138,29 @@ def rank_pairs(groups: list[Group], missing_eos_penalty: float | None = None) ->
     return pairs, dropped
 
 
-def pair_micro_batches(pairs: list[Pair], parts: int) -> list[RLMicroBatch]:
+def pair_micro_batches(
+    pairs: list[Pair],
+    parts: int,
+    vision: PromptVision | None = None,
+    filler: tuple[list[int], PromptImages] | None = None,
+) -> list[RLMicroBatch]:
     """``parts`` packed micro-batches of one update's pairs, dealt round-robin (an empty one is a filler): the
-    sequences of each are the pairs' chosen and rejected completions, alternating, and its ``num_items`` its pairs."""
+    sequences of each are the pairs' chosen and rejected completions, alternating (with their prompt's images,
+    processed by ``vision``; ``filler``: a sharded vision-language policy's image filler of a micro-batch without
+    images), and its ``num_items`` its pairs."""
     out = []
     for part in split_round_robin(pairs, parts):
-        sequences = [(s.prompt_ids, s.response_ids) for pair in part for s in (pair.chosen, pair.rejected)]
-        mb = pack_sequences(sequences, [0.0] * len(sequences))  # no advantages: the pair's order is its signal
+        samples = [s for pair in part for s in (pair.chosen, pair.rejected)]
+        sequences = [(s.prompt_ids, s.response_ids) for s in samples]
+        images = sample_images(samples, vision)
+        mb = pack_sequences(sequences, [0.0] * len(sequences), images=images, filler=filler)  # no advantages
         mb.num_items = float(len(part))
         out.append(mb)
     return out
 
 
 class OnlineDPOModule(GRPOModule):
-    """Online DPO of any text family: two completions per prompt from the current policy, ranked by the judger,
+    """Online DPO of any family: two completions per prompt from the current policy, ranked by the judger,
     trained with the DPO loss against a reference (:mod:`xtl.rl.online_dpo`).
 
     Args:
@@ -238,7 +248,7 @@ class OnlineDPOModule(GRPOModule):
         metrics["rollout/dropped_pairs"] = float(dropped)
         self._rollout_metrics = metrics
         updates = [
-            pair_micro_batches(chunk, self.updates.micro_batches)
+            pair_micro_batches(chunk, self.updates.micro_batches, self._vision, self._image_filler())
             for chunk in split_round_robin(pairs, self.updates.mini_batches)
         ]
         with torch.no_grad():

@@ -4,7 +4,12 @@
 indexes their completion tokens as padded ``(B, T)`` rows, masked where an agent loop appended tokens (tool results,
 observations: in the context, not in the loss); :func:`cut_micro_batches` deals the samples of one update into its
 micro-batches (each segment of a multi-segment trajectory is a sequence with the trajectory's advantage), each with
-its share of the loss normalizer (:func:`xtl.rl.loss.loss_normalizer`).
+its share of the loss normalizer (:func:`xtl.rl.loss.loss_normalizer`). A sequence of a prompt with images (a
+vision-language policy) brings them into its micro-batch: the pack carries the ``pixel_values`` and ``image_grid_thw``
+of its sequences' images in order (as an SFT pack does), so the update's forwards see the vision tokens as the
+rollout's prefill did; a checkpoint keeps the image paths, and a restored micro-batch processes them again. Under
+sharded parameters a micro-batch without images carries the image filler (:meth:`~xtl.rl.vision.PromptVision.filler`),
+so that every rank's forward and backward run the vision tower.
 """
 
 from __future__ import annotations
@@ -19,9 +24,11 @@ import torch
 from xtl.batch import SequenceContext
 from xtl.data.collate import MicroBatch, collate_pack
 from xtl.data.item import IGNORE_INDEX
+from xtl.data.multimodal import VisionPack
 from xtl.data.packing import Pack
 from xtl.rl.buffer import Sample
 from xtl.rl.loss import loss_normalizer
+from xtl.rl.vision import PromptImages, PromptVision, concat_images
 
 
 @dataclass
@@ -43,6 +50,9 @@ class RLMicroBatch:
             computed (routing replay).
         sequences: ``(prompt ids, completion ids)`` of each sequence (what a checkpoint keeps).
         loss_masks: Each sequence's completion mask when an agent loop appended tokens (``None``: all sampled).
+        images: Each sequence's image paths (``None`` for a text sequence) when some sequence has images (``None``:
+            none has).
+        filled: The pack ends with the image filler (a document that is neither a sequence nor scored).
         share: The part of ``batch`` this rank forwards under context parallelism (its share, cut on the host), set
             when the micro-batch is put on the device; ``None``: the whole batch.
     """
@@ -60,6 +70,8 @@ class RLMicroBatch:
     sequences: list[tuple[list[int], list[int]]] | None = None
     share: MicroBatch | None = None
     loss_masks: list[list[int]] | None = None
+    images: list[list[str] | None] | None = None
+    filled: bool = False
 
     @property
     def forwarded(self) -> MicroBatch:
@@ -94,12 +106,23 @@ class RLMicroBatch:
             "routed_experts": None if self.routed_experts is None else [ids.cpu() for ids in self.routed_experts],
             "num_items": self.num_items,
             "loss_masks": self.loss_masks,
+            "images": self.images,
+            "filled": self.filled,
         }
 
     @classmethod
-    def from_state(cls, state: dict[str, Any]) -> RLMicroBatch:
-        """Rebuild a micro-batch from :meth:`state`."""
-        mb = pack_sequences(state["sequences"], state["advantages"].tolist(), state.get("loss_masks"))
+    def from_state(cls, state: dict[str, Any], vision: PromptVision | None = None) -> RLMicroBatch:
+        """Rebuild a micro-batch from :meth:`state` (``vision`` processes its sequences' images again).
+
+        Raises:
+            ValueError: The state holds images but no ``vision`` is given.
+        """
+        paths, filled = state.get("images"), state.get("filled", False)
+        if (paths is not None or filled) and vision is None:
+            raise ValueError("the micro-batch holds images: rebuilding it needs the policy's PromptVision")
+        images = None if paths is None else [vision.images(p) for p in paths]
+        filler = vision.filler() if filled else None
+        mb = pack_sequences(state["sequences"], state["advantages"].tolist(), state.get("loss_masks"), images, filler)
         mb.old_logps, mb.ref_logps, mb.num_items = state["old_logps"], state["ref_logps"], float(state["num_items"])
         mb.sampling_logps, mb.routed_experts = state.get("sampling_logps"), state.get("routed_experts")
         return mb
@@ -113,13 +136,20 @@ def pack_sequences(
     sequences: list[tuple[list[int], list[int]]],
     advantages: list[float],
     loss_masks: list[list[int]] | None = None,
+    images: list[PromptImages | None] | None = None,
+    filler: tuple[list[int], PromptImages] | None = None,
 ) -> RLMicroBatch:
     """One packed micro-batch of ``(prompt ids, completion ids)`` sequences, labelled on the completions (no
     sequences: a 2-token filler without labels, which every rank can forward when parameters are sharded).
 
     ``loss_masks`` (one per sequence, over its completion) zero the loss of completion tokens an agent loop appended;
-    they stay labelled (scored like the others) so that every sequence's completion rows line up with its tokens."""
-    if not sequences:
+    they stay labelled (scored like the others) so that every sequence's completion rows line up with its tokens.
+    ``images`` (one entry per sequence, ``None`` for a text one) go into the pack's ``extras`` in sequence order;
+    ``filler`` (a sharded vision-language policy's image filler) ends a pack whose sequences have no image (the empty
+    one included) as a document of its own, unlabelled."""
+    extras = concat_images(images or [])
+    filled = filler is not None and not extras
+    if not sequences and not filled:
         mb = collate_pack(Pack(-1, np.zeros(2, dtype=np.int64), np.full(2, IGNORE_INDEX, dtype=np.int64), [2]))
         empty = torch.zeros(0, 1, dtype=torch.long)
         return RLMicroBatch(mb, torch.zeros(0, dtype=torch.long), empty, empty.float(), torch.zeros(0), sequences=[])
@@ -129,9 +159,16 @@ def pack_sequences(
         ids += [*prompt, *response]
         labels += [IGNORE_INDEX] * len(prompt) + list(response)
     lengths = [len(p) + len(r) for p, r in sequences]
-    mb = collate_pack(Pack(-1, np.asarray(ids, dtype=np.int64), np.asarray(labels, dtype=np.int64), lengths))
+    if filled:
+        filler_ids, filler_images = filler
+        ids += filler_ids
+        labels += [IGNORE_INDEX] * len(filler_ids)
+        lengths.append(len(filler_ids))
+        extras = filler_images.inputs
+    pack = VisionPack(-1, np.asarray(ids, dtype=np.int64), np.asarray(labels, dtype=np.int64), lengths, extras)
+    mb = collate_pack(pack)
     positions = torch.nonzero(mb.labels[0] != IGNORE_INDEX).squeeze(-1)
-    width = max(len(r) for _, r in sequences)
+    width = max((len(r) for _, r in sequences), default=1)
     rows = torch.zeros(len(sequences), width, dtype=torch.long)
     mask = torch.zeros(len(sequences), width)
     offset = 0
@@ -142,11 +179,21 @@ def pack_sequences(
     advantages_t = torch.tensor(advantages, dtype=torch.float32)
     kept = [(list(p), list(r)) for p, r in sequences]
     masks = None if loss_masks is None else [list(m) for m in loss_masks]
-    return RLMicroBatch(mb, positions, rows, mask, advantages_t, sequences=kept, loss_masks=masks)
+    paths = None
+    if extras and not filled:  # some sequence has images: each sequence's paths (what a checkpoint keeps)
+        paths = [None if entry is None else list(entry.paths) for entry in images]
+    return RLMicroBatch(
+        mb, positions, rows, mask, advantages_t, sequences=kept, loss_masks=masks, images=paths, filled=filled
+    )
 
 
 def cut_micro_batches(
-    samples: Sequence[tuple[Sample, float]], parts: int, loss_type: str, max_new_tokens: int
+    samples: Sequence[tuple[Sample, float]],
+    parts: int,
+    loss_type: str,
+    max_new_tokens: int,
+    vision: PromptVision | None = None,
+    filler: tuple[list[int], PromptImages] | None = None,
 ) -> list[RLMicroBatch]:
     """``parts`` packed micro-batches of one update's ``(sample, advantage)`` pairs, dealt round-robin (an empty one
     is a filler), each with its share of ``loss_type``'s normalizer and the engine's log-probabilities when every
@@ -157,6 +204,9 @@ def cut_micro_batches(
         parts: Micro-batches to cut (the same on every rank).
         loss_type: The objective's loss type (what the normalizer counts).
         max_new_tokens: The sampling budget (``dr_grpo``'s constant length).
+        vision: Processes the samples' images (a vision-language policy; each segment of a sample holds its
+            prompt's images).
+        filler: The image filler of a micro-batch without images (a sharded vision-language policy).
     """
     out = []
     for part in split_round_robin(list(samples), parts):
@@ -165,6 +215,7 @@ def cut_micro_batches(
         mb = pack_sequences(
             [(s.prompt_ids, s.response_ids) for s, _ in segments], [a for _, a in segments],
             [s.loss_mask for s, _ in segments] if masked else None,
+            sample_images([sample for sample, _ in part for _ in sample.segments], vision), filler,
         )  # fmt: skip
         if segments and all(s.logprobs is not None for s, _ in segments):
             mb.sampling_logps = torch.zeros_like(mb.mask)
@@ -173,6 +224,19 @@ def cut_micro_batches(
         mb.num_items = float(loss_normalizer(loss_type, len(segments), int(mb.mask.sum()), max_new_tokens))
         out.append(mb)
     return out
+
+
+def sample_images(samples: Sequence[Sample], vision: PromptVision | None) -> list[PromptImages | None] | None:
+    """The processed images of each sample's prompt (``None`` when no sample has images).
+
+    Raises:
+        ValueError: Samples with images but no ``vision``.
+    """
+    if not any(sample.images for sample in samples):
+        return None
+    if vision is None:
+        raise ValueError("samples with images need the policy's PromptVision to be packed")
+    return [vision.images(sample.images) for sample in samples]
 
 
 def split_round_robin(items: list[Any], parts: int) -> list[list[Any]]:

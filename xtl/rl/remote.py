@@ -23,6 +23,7 @@ import torch
 
 from xtl.rl.judger import BaseJudger, RolloutState
 from xtl.rl.rollout import DetachedEngine, LocalRolloutEngine, Rollout, SamplingSettings, hf_named_tensors
+from xtl.rl.vision import PromptImages
 
 
 class RayJudger(BaseJudger):
@@ -112,13 +113,19 @@ class RayRolloutEngine(DetachedEngine):
         self.actors = [actor.remote(str(model_path), device, num_threads) for _ in range(num_actors)]
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], sampling: SamplingSettings, stop_token_ids: Sequence[int] = ()
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingSettings,
+        stop_token_ids: Sequence[int] = (),
+        images: Sequence[PromptImages | None] | None = None,
     ) -> list[Rollout]:
-        """Split ``prompts`` over the actors (actor ``i`` samples with seed ``sampling.seed + i``), in order."""
+        """Split ``prompts`` (and their images) over the actors (actor ``i`` samples with seed
+        ``sampling.seed + i``), in order."""
         size = -(-len(prompts) // len(self.actors))
         shares = [list(prompts[i * size : (i + 1) * size]) for i in range(len(self.actors))]
+        pictures = [None if images is None else list(images[i * size : (i + 1) * size]) for i in range(len(shares))]
         refs = [
-            actor.generate.remote(share, _with_seed(sampling, sampling.seed + i), list(stop_token_ids))
+            actor.generate.remote(share, _with_seed(sampling, sampling.seed + i), list(stop_token_ids), pictures[i])
             for i, (actor, share) in enumerate(zip(self.actors, shares, strict=True))
             if share
         ]
@@ -174,8 +181,14 @@ class _SamplerActor:
         # behavior log-probabilities: the actor's copy lags the policy by up to max_staleness versions
         self.engine = LocalRolloutEngine(model.float() if device == "cpu" else model, logprobs=True)
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingSettings, stop: list[int]) -> list[Rollout]:
-        return self.engine.generate(prompts, sampling, stop)
+    def generate(
+        self,
+        prompts: list[list[int]],
+        sampling: SamplingSettings,
+        stop: list[int],
+        images: list[PromptImages | None] | None = None,
+    ) -> list[Rollout]:
+        return self.engine.generate(prompts, sampling, stop, images)
 
     def load(self, tensors: dict[str, torch.Tensor]) -> None:
         load_hf_named_tensors(self.engine.model, tensors)

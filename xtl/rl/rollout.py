@@ -6,6 +6,10 @@ follows the policy: :meth:`RolloutEngine.sync_weights` is called after every opt
 (so it always runs the current weights and needs no sync), batched across prompts. :class:`VLLMRolloutEngine`
 (``pip install vllm``, GPU) drives a vLLM engine instead: it pushes the policy's weights after each update and
 returns the sampling log-probabilities.
+
+A vision-language policy's prompts come with their images (:class:`~xtl.rl.vision.PromptImages`, one entry per prompt):
+the local engine runs them through the vision tower in the prefill and decodes at the M-RoPE positions after them;
+the vLLM engine passes them as ``multi_modal_data``.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from xtl.errors import ConfigError
+from xtl.rl.vision import PromptImages, collapse_placeholders
 from xtl.train.generation import GenerationConfig, generate
 
 KEY = "model.init_args.sampling"
@@ -95,9 +100,14 @@ class RolloutEngine(ABC):
 
     @abstractmethod
     def generate(
-        self, prompts: Sequence[Sequence[int]], sampling: SamplingSettings, stop_token_ids: Sequence[int] = ()
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingSettings,
+        stop_token_ids: Sequence[int] = (),
+        images: Sequence[PromptImages | None] | None = None,
     ) -> list[Rollout]:
-        """One completion per prompt, in order (repeat a prompt to get several)."""
+        """One completion per prompt, in order (repeat a prompt to get several); ``images``: each prompt's images
+        (a vision-language policy; passed only when some prompt has images)."""
 
     def sync_weights(self, model: torch.nn.Module) -> None:  # noqa: B027 (optional hook: nothing to do by default)
         """Make the engine sample from ``model``'s current weights (after each optimizer step)."""
@@ -146,6 +156,9 @@ class LocalRolloutEngine(RolloutEngine):
         group: The ranks that decode in lockstep (``None``: this process alone).
         logprobs: Return each token's log-probability at the sampling temperature (an engine whose weights may lag
             the policy's, e.g. a Ray actor's copy: the trainer weighs each token by the ratio of its own to these).
+        filler: A sharded vision-language policy's image filler (:meth:`~xtl.rl.vision.PromptVision.filler`): a
+            call whose prompts have no image decodes it beside them, and the idle step decodes it alone, so that every
+            rank's prefill runs the vision tower.
     """
 
     def __init__(
@@ -154,28 +167,37 @@ class LocalRolloutEngine(RolloutEngine):
         max_batch: int = 256,
         group: dist.ProcessGroup | None = None,
         logprobs: bool = False,
+        filler: tuple[list[int], PromptImages] | None = None,
     ) -> None:
         self.model = model
         self.max_batch = max_batch
         self.group = group
         self.logprobs = logprobs
+        self.filler = filler
         self._generator: torch.Generator | None = None
         self._seed: int | None = None
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], sampling: SamplingSettings, stop_token_ids: Sequence[int] = ()
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingSettings,
+        stop_token_ids: Sequence[int] = (),
+        images: Sequence[PromptImages | None] | None = None,
     ) -> list[Rollout]:
-        """Sample one completion per prompt, ``max_batch`` prompts at a time."""
+        """Sample one completion per prompt, ``max_batch`` prompts at a time (with their images)."""
         config = sampling.generation_config(stop_token_ids)
         generator = self._generator_for(sampling.seed)
         rollouts: list[Rollout] = []
         for start in range(0, len(prompts), self.max_batch):
             chunk = [list(p) for p in prompts[start : start + self.max_batch]]
+            decoded, pixels = self._with_filler(chunk, _model_images(images, start, len(chunk)))
             began = time.perf_counter()
-            out = generate(self.model, chunk, config, generator, group=self.group, output_logprobs=self.logprobs)
+            out = generate(
+                self.model, decoded, config, generator, group=self.group, output_logprobs=self.logprobs, images=pixels
+            )
             seconds = time.perf_counter() - began
-            logprobs = out.logprobs or [None] * len(chunk)
-            for prompt, response, scored in zip(chunk, out.sequences, logprobs, strict=True):
+            logprobs = out.logprobs[: len(chunk)] or [None] * len(chunk)  # the filler's row (last) dropped
+            for prompt, response, scored in zip(chunk, out.sequences[: len(chunk)], logprobs, strict=True):
                 stopped = bool(response) and response[-1] in config.stop_token_ids
                 rollouts.append(Rollout(prompt, response, "stop" if stopped else "length", scored, seconds))
         return rollouts
@@ -185,9 +207,11 @@ class LocalRolloutEngine(RolloutEngine):
         if self.group is None:
             return
         config = sampling.generation_config(stop_token_ids)
-        filler = [[config.stop_token_ids[0] if config.stop_token_ids else 0]]
+        filler, pixels = self._with_filler([], None)
+        if not filler:
+            filler = [[config.stop_token_ids[0] if config.stop_token_ids else 0]]
         generate(self.model, filler, config, self._generator_for(sampling.seed), group=self.group,
-                 stop_when=lambda rows: [True] * len(rows))  # fmt: skip
+                 stop_when=lambda rows: [True] * len(rows), images=pixels)  # fmt: skip
 
     def state_dict(self) -> dict[str, Any]:
         """The sampling generator's state."""
@@ -197,6 +221,16 @@ class LocalRolloutEngine(RolloutEngine):
         """Restore the sampling generator."""
         if state:
             self._generator_for(int(state["seed"])).set_state(state["rng"])
+
+    def _with_filler(
+        self, prompts: list[list[int]], pixels: list[dict[str, torch.Tensor] | None] | None
+    ) -> tuple[list[list[int]], list[dict[str, torch.Tensor] | None] | None]:
+        """``prompts`` and their images, with the image filler appended when none has an image (its output is
+        dropped: :func:`~xtl.train.generation.generate` returns one row per prompt, the filler's last)."""
+        if self.filler is None or (pixels is not None and any(entry is not None for entry in pixels)):
+            return prompts, pixels
+        ids, images = self.filler
+        return [*prompts, list(ids)], [*(pixels or [None] * len(prompts)), images.inputs]
 
     def _generator_for(self, seed: int) -> torch.Generator:
         if self._generator is None or self._seed != seed:
@@ -211,14 +245,21 @@ class GreedyEngine(LocalRolloutEngine):
     and stop tokens, not their temperature."""
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], sampling: SamplingSettings, stop_token_ids: Sequence[int] = ()
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingSettings,
+        stop_token_ids: Sequence[int] = (),
+        images: Sequence[PromptImages | None] | None = None,
     ) -> list[Rollout]:
         """The greedy completion of each prompt."""
         greedy = GenerationConfig(
             max_new_tokens=sampling.max_new_tokens,
             stop_token_ids=tuple(sorted({*sampling.stop_token_ids, *stop_token_ids})),
         )
-        out = generate(self.model, [list(p) for p in prompts], greedy, group=self.group).sequences if prompts else []
+        out = []
+        if prompts:
+            decoded, pixels = self._with_filler([list(p) for p in prompts], _model_images(images, 0, len(prompts)))
+            out = generate(self.model, decoded, greedy, group=self.group, images=pixels).sequences[: len(prompts)]
         stop = set(greedy.stop_token_ids)
         return [
             Rollout(list(p), r, "stop" if r and r[-1] in stop else "length") for p, r in zip(prompts, out, strict=True)
@@ -255,6 +296,11 @@ class VLLMRolloutEngine(RolloutEngine):
     log-probability of its tokens, after temperature and top-k/top-p (``logprobs_mode="processed_logprobs"``), so the
     trainer can correct for the numeric gap between engine and trainer (truncated importance sampling).
 
+    A prompt with images is sent as vLLM expects a multimodal token prompt (as TRL's GRPO does): one
+    ``<|image_pad|>`` per image (each run of placeholders cut to one: vLLM expands them itself) and the decoded
+    images as ``multi_modal_data``; the rollout keeps xtl's expanded ids. When vLLM reports its expanded prompt, it
+    must equal xtl's (the same image settings), else the rollout would train on other positions than it sampled at.
+
     Args:
         model_path: The policy's HF directory (the engine starts from it).
         settings: Engine settings.
@@ -262,6 +308,7 @@ class VLLMRolloutEngine(RolloutEngine):
         llm: An engine to use instead of starting one (any object with vLLM's ``LLM.generate`` and the weight
             loader: tests pass a stand-in).
         params_class: What builds the sampling parameters (default ``vllm.SamplingParams``).
+        image_token_id: The ``<|image_pad|>`` id of a vision-language policy (``None``: prompts have no images).
     """
 
     def __init__(
@@ -271,26 +318,45 @@ class VLLMRolloutEngine(RolloutEngine):
         seed: int = 0,
         llm: Any = None,
         params_class: Any = None,
+        image_token_id: int | None = None,
     ) -> None:
         self.settings = settings or VLLMSettings()
         self.seed = seed
+        self.image_token_id = image_token_id
         self._calls = 0
         self.llm = llm if llm is not None else self._start(model_path)
         self._params_class = params_class
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], sampling: SamplingSettings, stop_token_ids: Sequence[int] = ()
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingSettings,
+        stop_token_ids: Sequence[int] = (),
+        images: Sequence[PromptImages | None] | None = None,
     ) -> list[Rollout]:
-        """Sample one completion per prompt with vLLM (seeded per call, so a resumed run samples the same)."""
+        """Sample one completion per prompt with vLLM (seeded per call, so a resumed run samples the same).
+
+        Raises:
+            ConfigError: Images without the policy's image token id.
+            RuntimeError: vLLM expanded a prompt's images to other placeholders than xtl did.
+        """
         if self.settings.enable_sleep_mode:
             self.llm.wake_up()
         params = self._sampling_params(sampling, stop_token_ids)
+        entries = list(images) if images is not None else [None] * len(prompts)
+        requests = [self.request(p, entry) for p, entry in zip(prompts, entries, strict=True)]
         began = time.perf_counter()
-        outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
         seconds = time.perf_counter() - began
         self._calls += 1
         rollouts = []
-        for prompt, output in zip(prompts, outputs, strict=True):
+        for prompt, entry, output in zip(prompts, entries, outputs, strict=True):
+            expanded = output.prompt_token_ids  # what vLLM ran: with images, its own expansion of the placeholders
+            if entry is not None and expanded is not None and list(expanded) != list(prompt):
+                raise RuntimeError(
+                    f"vLLM expanded the images of a prompt to {len(expanded)} tokens, xtl to {len(prompt)}: give vLLM "
+                    "the image settings of data.image_processor (the policy directory's preprocessor_config.json)"
+                )
             completion = output.outputs[0]
             ids = list(completion.token_ids)
             logprobs = [float(step[token].logprob) for step, token in zip(completion.logprobs or [], ids, strict=True)]
@@ -299,6 +365,26 @@ class VLLMRolloutEngine(RolloutEngine):
         if self.settings.enable_sleep_mode:
             self.llm.sleep(level=1)
         return rollouts
+
+    def request(self, prompt: Sequence[int], images: PromptImages | None = None) -> dict[str, Any]:
+        """The vLLM prompt of ``prompt``: its token ids, or with images one placeholder per image and the decoded
+        images as ``multi_modal_data`` (the class docstring).
+
+        Raises:
+            ConfigError: Images without the policy's image token id.
+        """
+        if images is None:
+            return {"prompt_token_ids": list(prompt)}
+        if self.image_token_id is None:
+            raise ConfigError(
+                "model.init_args.engine: prompts with images need the vLLM engine of a vision-language policy"
+            )
+        from xtl.data.multimodal import load_image
+
+        return {
+            "prompt_token_ids": collapse_placeholders(prompt, self.image_token_id),
+            "multi_modal_data": {"image": [load_image(path, "<prompt>") for path in images.paths]},
+        }
 
     def sync_weights(self, model: torch.nn.Module) -> None:
         """Stream ``model``'s weights (HF names, whole tensors) into the engine, then reset its prefix cache."""
@@ -357,3 +443,12 @@ def hf_named_tensors(model: torch.nn.Module) -> Iterable[tuple[str, torch.Tensor
     for key, tensor in model.checkpoint_tensors().items():
         whole = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
         yield from zip(model.hf_keys(key), model.param_to_hf(key, whole.detach()), strict=True)
+
+
+def _model_images(
+    images: Sequence[PromptImages | None] | None, start: int, count: int
+) -> list[dict[str, torch.Tensor] | None] | None:
+    """What :func:`~xtl.train.generation.generate` reads of the images of prompts ``start .. start + count``."""
+    if images is None:
+        return None
+    return [None if entry is None else entry.inputs for entry in images[start : start + count]]

@@ -3,9 +3,10 @@
 :func:`generate` prefills a batch of prompts into a :class:`~xtl.module.kv_cache.KVCache` (packed: the prompts
 laid end to end, no padding; or padded: left-padded like transformers), then decodes one token per sequence and
 step, attending over the cache. It works for every model family (dense, MoE, multi-head latent attention, sink
-attention). With the HF-parity selectors (``xtl.ops.hf_impl``) and the padded prefill, greedy decoding is bitwise
-equal to transformers' ``generate(do_sample=False)`` (logits included). The prompt helpers render chat prompts
-and find stop tokens.
+attention, vision-language: a prompt's images go through the vision tower in the prefill, and decoding continues at
+the M-RoPE position after them). With the HF-parity selectors (``xtl.ops.hf_impl``) and the padded prefill, greedy
+decoding is bitwise equal to transformers' ``generate(do_sample=False)`` (logits included). The prompt helpers
+render chat prompts and find stop tokens.
 
 Example::
 
@@ -115,6 +116,7 @@ def generate(
     group: Any = None,
     stop_when: Callable[[list[list[int]]], Sequence[bool]] | None = None,
     output_logprobs: bool = False,
+    images: Sequence[dict[str, torch.Tensor] | None] | None = None,
 ) -> GenerationOutput:
     """Decode continuations of ``prompts`` with a KV cache (the model runs in eval mode meanwhile).
 
@@ -133,6 +135,10 @@ def generate(
         stop_when: Called on the host after each step with every sequence's new tokens so far; a sequence it marks
             ``True`` ends there (stop strings; its output is cut after the current token).
         output_logprobs: Return each new token's log-probability at the sampling temperature.
+        images: A vision-language model's images, per prompt (``None``: a prompt without images): the
+            ``pixel_values`` and ``image_grid_thw`` of the images whose placeholders the prompt holds, in order. They
+            go through the vision tower in the prefill, and decoding continues at each prompt's M-RoPE position
+            (:meth:`~xtl.model.BaseModel.next_positions`).
 
     Returns:
         GenerationOutput: The new tokens of each prompt (and the logits when asked).
@@ -154,7 +160,10 @@ def generate(
     try:
         with torch.no_grad() if sharded else torch.inference_mode():
             prompts = [list(p) for p in prompts]
-            return _decode(model, prompts, config, generator, output_logits, device, group, stop_when, output_logprobs)
+            extras = _packed_images(images, len(prompts), device)
+            return _decode(
+                model, prompts, config, generator, output_logits, device, group, stop_when, output_logprobs, extras
+            )
     finally:
         model.train(was_training)
 
@@ -255,12 +264,15 @@ def _decode(
     group: Any = None,
     stop_when: Callable[[list[list[int]]], Sequence[bool]] | None = None,
     output_logprobs: bool = False,
+    images: dict[str, torch.Tensor] | None = None,
 ) -> GenerationOutput:
     batch = len(prompts)
     lengths = [len(p) for p in prompts]
     cache = KVCache(batch, max(lengths) + config.max_new_tokens)
-    logits = _prefill(model, prompts, config, cache, device)
-    positions = torch.tensor(lengths, device=device)[:, None]
+    packed = SequenceContext.from_lengths(torch.tensor([[t for p in prompts for t in p]], device=device), lengths)
+    packed.extras = dict(images or {})
+    logits = _prefill(model, prompts, config, cache, device, packed)
+    positions = model.next_positions(packed)[:, None]
     stop = torch.tensor(config.stop_token_ids, dtype=torch.long, device=device)
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
     steps: list[torch.Tensor] = []
@@ -297,13 +309,17 @@ def _decode(
 
 
 def _prefill(
-    model: BaseModel, prompts: list[list[int]], config: GenerationConfig, cache: KVCache, device: torch.device
+    model: BaseModel,
+    prompts: list[list[int]],
+    config: GenerationConfig,
+    cache: KVCache,
+    device: torch.device,
+    packed: SequenceContext,
 ) -> torch.Tensor:
-    """Run the prompts into ``cache``; returns the ``(B, V)`` float32 logits of each prompt's last token."""
+    """Run the prompts (``packed``: laid end to end, with their images) into ``cache``; returns the ``(B, V)``
+    float32 logits of each prompt's last token."""
     if config.prefill == "packed":
-        ids = torch.tensor([[t for p in prompts for t in p]], device=device)
-        seq_ctx = SequenceContext.from_lengths(ids, [len(p) for p in prompts])
-        out = model(seq_ctx=seq_ctx, kv_cache=cache, logits_to_keep=seq_ctx.cu_seq_lens[1:].long() - 1)
+        out = model(seq_ctx=packed, kv_cache=cache, logits_to_keep=packed.cu_seq_lens[1:].long() - 1)
         return _full(out.logits)[0].float()
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), config.pad_token_id, dtype=torch.long)
@@ -312,14 +328,27 @@ def _prefill(
         ids[row, width - len(prompt) :] = torch.tensor(prompt)
         attention_mask[row, width - len(prompt) :] = 1
     position_ids = (attention_mask.cumsum(-1) - 1).masked_fill(attention_mask == 0, 1)
+    # with images, the model derives its M-RoPE positions from the placeholders and the padding mask
+    inputs = dict(packed.extras) if packed.extras else {"position_ids": position_ids.to(device)}
     out = model(
-        input_ids=ids.to(device),
-        attention_mask=attention_mask.to(device),
-        position_ids=position_ids.to(device),
-        kv_cache=cache,
-        logits_to_keep=1,
+        input_ids=ids.to(device), attention_mask=attention_mask.to(device), kv_cache=cache, logits_to_keep=1, **inputs
     )
     return _last_logits(out.logits)
+
+
+def _packed_images(
+    images: Sequence[dict[str, torch.Tensor] | None] | None, count: int, device: torch.device
+) -> dict[str, torch.Tensor] | None:
+    """The images of every prompt, in prompt order, as one ``pixel_values`` and ``image_grid_thw`` (``None``: no
+    prompt has images)."""
+    if images is None:
+        return None
+    if len(images) != count:
+        raise ValueError(f"generate: {len(images)} image entries for {count} prompts")
+    present = [entry for entry in images if entry]
+    if not present:
+        return None
+    return {key: torch.cat([entry[key] for entry in present]).to(device) for key in ("pixel_values", "image_grid_thw")}
 
 
 def _apply_stop_when(

@@ -59,6 +59,11 @@ class BlackBoxAgentLoop(AgentLoop):
         ConfigError: Neither or both of ``command`` and ``function``; ``ray`` without ``function``; limits below 1.
     """
 
+    image_refusal = (
+        "an external agent's requests reach the endpoint as messages whose images the endpoint does not serve yet "
+        "(its sessions pass token ids only to the engine)"
+    )
+
     def __init__(
         self,
         command: list[str] | str | None = None,

@@ -10,6 +10,9 @@ markers as the conversation holds up to that turn in a tokenizer's own template)
 themselves are never re-encoded. The multi-turn loop and the black-box endpoint both continue contexts this way, so one
 conversation gives one token sequence through either.
 
+With a vision-language policy (``vision``), a message's image parts are rendered as their placeholder tokens
+(:class:`~xtl.rl.vision.PromptVision`, the SFT path's expansion), in prompts and in continuations alike.
+
 Tool calls are parsed in the template's syntax: ``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` blocks
 (Qwen3, Qwen2.5, ChatML; the Hermes format), or one ``{"name": ..., "parameters": ...}`` object (Llama 3). A call
 that cannot be parsed is reported as malformed, with why; the loop answers it with a tool error turn.
@@ -20,10 +23,13 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from xtl.data.templates import HF_TEMPLATE, get_template
 from xtl.train.generation import split_thinking
+
+if TYPE_CHECKING:
+    from xtl.rl.vision import PromptVision
 
 _CALL_BLOCK = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.DOTALL)
 
@@ -58,6 +64,7 @@ class ChatFormat:
         template: A built-in xtl template name, or ``None`` / ``hf`` for the tokenizer's own.
         template_kwargs: Built-in template overrides.
         stop_token_ids: The tokens that end a turn (removed before decoding).
+        vision: Renders image parts as placeholders (a vision-language policy; ``None``: text only).
     """
 
     def __init__(
@@ -66,15 +73,18 @@ class ChatFormat:
         template: str | None = None,
         template_kwargs: dict[str, Any] | None = None,
         stop_token_ids: tuple[int, ...] = (),
+        vision: PromptVision | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        self.vision = vision
         self.template_name = None if template in (None, HF_TEMPLATE) else template
         self.template = get_template(template, **(template_kwargs or {})) if self.template_name else None
         self.stop_token_ids = tuple(stop_token_ids)
         self.llama_calls = self.template_name == "llama3"
 
     def prompt_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
-        """Token ids of ``messages`` with the generation prompt."""
+        """Token ids of ``messages`` with the generation prompt (images as their placeholders)."""
+        messages = self._text(messages)
         if self.template is None:
             ids = self.tokenizer.apply_chat_template(
                 messages, tools=tools or None, tokenize=True, add_generation_prompt=True, return_dict=False
@@ -128,9 +138,14 @@ class ChatFormat:
         """Text of ``ids`` with the stop tokens removed (special tokens such as ``<tool_call>`` kept)."""
         return self.tokenizer.decode([t for t in ids if t not in self.stop_token_ids])
 
+    def _text(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """``messages`` with image parts as placeholder text (unchanged without vision)."""
+        return messages if self.vision is None else self.vision.text_messages(messages)
+
     def _render(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, generation: bool
     ) -> tuple[str, list[tuple[int, int]] | None]:
+        messages = self._text(messages)
         if self.template is not None:
             rendered = self.template.render(messages, tools=tools or None, add_generation_prompt=generation)
             return rendered.text, rendered.loss_spans

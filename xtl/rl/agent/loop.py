@@ -11,6 +11,9 @@ batch. Built-ins:
 - :class:`~xtl.rl.agent.server.BlackBoxAgentLoop`: an external agent program runs its own loop against an
   OpenAI-compatible endpoint served from the engine.
 
+A row with images (a vision-language policy) keeps them for its whole trajectory: the context's ``images`` (one entry
+per row) go with every engine call of the row's turns.
+
 Under sharded parameters every rank must run the same engine calls: :func:`lockstep_generate` makes a rank whose
 trajectories have all finished still join a turn that another rank needs (:meth:`RolloutEngine.idle_step`).
 """
@@ -26,6 +29,7 @@ from xtl.rl import trace
 from xtl.rl.agent.chat import ChatFormat
 from xtl.rl.agent.trajectory import Trajectory, TrajectoryBuilder
 from xtl.rl.rollout import Rollout, RolloutEngine, SamplingSettings
+from xtl.rl.vision import PromptImages
 
 
 @dataclass
@@ -38,11 +42,14 @@ class AgentContext:
             with their number of unfinished trajectories, through :func:`lockstep_generate`.
         sample_ids: The rows' sample ids (aligned with the rows of :meth:`AgentLoop.rollout`), for the rollout
             trace (:mod:`xtl.rl.trace`); ``None``: not traced per sample.
+        images: The rows' images (aligned with the rows; ``None`` for a row without), which every engine call of a
+            row's turns passes with its context; ``None``: no row has images.
     """
 
     chat: ChatFormat
     agree: Callable[[int], int] | None = None
     sample_ids: list[str] | None = None
+    images: list[PromptImages | None] | None = None
 
     def ids(self, indices: list[int] | None = None) -> list[str]:
         """The sample ids of the rows at ``indices`` (every row's by default; ``[]`` when untraced)."""
@@ -50,9 +57,22 @@ class AgentContext:
             return []
         return list(self.sample_ids) if indices is None else [self.sample_ids[i] for i in indices]
 
+    def images_at(self, indices: list[int] | None = None) -> list[PromptImages | None] | None:
+        """The images of the rows at ``indices`` (every row's by default; ``None`` when no row has images)."""
+        if self.images is None:
+            return None
+        return list(self.images) if indices is None else [self.images[i] for i in indices]
+
 
 class AgentLoop(ABC):
-    """Turns prompt rows into trajectories (module docstring)."""
+    """Turns prompt rows into trajectories (module docstring).
+
+    Attributes:
+        image_refusal: Why the loop cannot run prompts with images (``None``: it can; the built-in loops pass each
+            row's images with every engine call of its turns).
+    """
+
+    image_refusal: str | None = None
 
     @abstractmethod
     def rollout(
@@ -93,7 +113,7 @@ class SingleTurnLoop(AgentLoop):
         chat = context.chat
         prompts = [chat.prompt_ids(row["prompt"]) for row in rows]
         with trace.current().span("engine.generate", "generate", context.ids(), requests=len(prompts)):
-            rollouts = engine.generate(prompts, sampling, chat.stop_token_ids)
+            rollouts = engine_generate(engine, prompts, sampling, chat.stop_token_ids, context.images_at())
         out = []
         for row, rollout in zip(rows, rollouts, strict=True):
             builder = TrajectoryBuilder(rollout.prompt_ids)
@@ -124,6 +144,21 @@ def lockstep_generate(
         return None
     if prompts:
         with trace.current().span("engine.generate", "generate", context.ids(indices), requests=len(prompts)):
-            return engine.generate(prompts, sampling, context.chat.stop_token_ids)
+            stop = context.chat.stop_token_ids
+            return engine_generate(engine, prompts, sampling, stop, context.images_at(indices))
     engine.idle_step(sampling, context.chat.stop_token_ids)
     return []
+
+
+def engine_generate(
+    engine: RolloutEngine,
+    prompts: list[list[int]],
+    sampling: SamplingSettings,
+    stop_token_ids: tuple[int, ...],
+    images: list[PromptImages | None] | None = None,
+) -> list[Rollout]:
+    """``engine.generate`` with the prompts' images when some prompt has images (an engine for text prompts only
+    is called as before)."""
+    if images is None or all(entry is None for entry in images):
+        return engine.generate(prompts, sampling, stop_token_ids)
+    return engine.generate(prompts, sampling, stop_token_ids, images=images)
