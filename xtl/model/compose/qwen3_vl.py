@@ -9,6 +9,7 @@ forward hooks for the duration of one call).
 from __future__ import annotations
 
 import itertools
+import math
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from xtl.batch import ModelOutput, SequenceContext
 from xtl.model.base import BaseModel, TextModel
@@ -280,8 +282,13 @@ class Qwen3VL(BaseModel):
 
         With ``share`` (the positions of ``input_ids`` in the whole pack ``pack_input_ids``), every image of the pack
         is encoded and the features of the placeholders inside the share are kept.
+
+        Without images, a sharded vision tower still runs, on one blank image whose features are added times zero
+        (:meth:`_take_part_without_images`).
         """
         if pixel_values is None:
+            if self._vision_is_sharded():
+                inputs_embeds = self._take_part_without_images(inputs_embeds)
             return inputs_embeds, None, []
         image_embeds, deepstack = self.visual(pixel_values, image_grid_thw)
         whole_mask = self.placeholder_mask(pack_input_ids if share is not None else input_ids, inputs_embeds)
@@ -298,6 +305,28 @@ class Qwen3VL(BaseModel):
         scatter_mask = visual_mask.unsqueeze(-1).expand_as(inputs_embeds)
         inputs_embeds = inputs_embeds.masked_scatter(scatter_mask, image_embeds.to(inputs_embeds.dtype))
         return inputs_embeds, visual_mask, deepstack
+
+    def _vision_is_sharded(self) -> bool:
+        """Whether FSDP2 shards the vision tower's parameters (the model or a module of the tower is an
+        ``FSDPModule``; true whether or not they are gathered at the moment)."""
+        return isinstance(self, FSDPModule) or any(isinstance(m, FSDPModule) for m in self.visual.modules())
+
+    def _take_part_without_images(self, inputs_embeds: torch.Tensor) -> torch.Tensor:
+        """``inputs_embeds`` plus zero times the features of one blank image of the smallest grid (one merged token).
+
+        Under sharded parameters every rank must run the vision tower in the same forwards: its units gather their
+        parameters from every rank in the forward and reduce their gradients over every rank in the backward. A
+        forward without images runs the tower (blocks, merger, DeepStack mergers) on a blank image and adds the sum
+        of its features times zero: the values, and the gradients of everything but the tower, are unchanged
+        (``x + 0`` is ``x``; the add passes its gradient through as is); the tower's gradients from it are zero.
+        """
+        merge = self.visual.spatial_merge_size
+        device = inputs_embeds.device
+        grid = torch.tensor([[1, merge, merge]], device=device)
+        pixels = torch.zeros(merge * merge, math.prod(self.visual.patch_embed.shape), device=device)
+        image_embeds, deepstack = self.visual(pixels, grid)
+        total = image_embeds.sum() + sum(feature.sum() for feature in deepstack)
+        return inputs_embeds + (total * 0).to(inputs_embeds.dtype)
 
     def placeholder_mask(self, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor) -> torch.Tensor:
         """``(B, T)`` bool, True at image placeholders (by id, or by embedding when only embeddings are given)."""
