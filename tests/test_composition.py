@@ -121,6 +121,9 @@ def _check_claim(cell: Cell, result: dict, plain: dict) -> None:
 def _check_feature_acts(cell: Cell, result: dict, plain: dict) -> None:
     """The feature really acted: what it does shows in the probe, the logged metrics or the files."""
     probe, name = result["probe"], cell.feature.name
+    if any(source in cell.feature.inline for source, _ in cell.family.sources):
+        # the feature trained on the family's rows with images: the vision tower ran on them
+        assert all(probe["calls"]["vision"]), f"the vision blocks never ran: {probe['calls']}"
     if name.startswith("checkpointing"):
         for part, calls in probe["calls"].items():
             assert all(c == 2 * p for c, p in zip(calls, plain["probe"]["calls"][part])), (part, calls)

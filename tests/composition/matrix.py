@@ -26,6 +26,15 @@ _VISION = dict(
     temporal_patch_size=2, out_hidden_size=64, num_position_embeddings=64, deepstack_visual_indexes=[1],
 )  # fmt: skip
 _VL_TOKENS = dict(image_token_id=1544, vision_start_token_id=1542, vision_end_token_id=1543, video_token_id=1545)
+_IMAGE_SOURCES = (
+    ("{path: tiny:preference_train.jsonl, kind: preference}",
+     "{path: 'tiny:../tiny_vlm/preference_train.jsonl', kind: preference}"),
+    ("{path: tiny:preference_train.jsonl, kind: preference, sample_ratio: 0.01}",
+     "{path: 'tiny:../tiny_vlm/preference_train.jsonl', kind: preference, sample_ratio: 0.1}"),
+    ("{path: tiny:kto_train.jsonl, kind: unpaired_preference}",
+     "{path: 'tiny:../tiny_vlm/kto_train.jsonl', kind: unpaired_preference}"),
+    ("{path: tiny:sft_train.jsonl, kind: prompt}", "{path: 'tiny:../tiny_vlm/train.jsonl', kind: prompt}"),
+)  # fmt: skip
 _MROPE = {
     "rope_type": "default", "rope_theta": 10000.0, "params": {"mrope_section": [16, 8, 8], "mrope_interleaved": True}
 }  # fmt: skip
@@ -41,6 +50,8 @@ class Family:
         model: ``model.init_args.model`` (replaces the recipe's).
         moe: Has routed experts (gets the expert-parallel strategy).
         what: Description for the docs.
+        sources: The family's own data for a feature's source (``{source in the feature's YAML: replacement}``;
+            a vision-language family trains its preference, unpaired and prompt features on rows with images).
     """
 
     name: str
@@ -48,6 +59,7 @@ class Family:
     model: dict
     moe: bool
     what: str
+    sources: tuple[tuple[str, str], ...] = ()
 
 
 FAMILIES = (
@@ -101,6 +113,7 @@ FAMILIES = (
         },  # fmt: skip
         False,
         "Qwen3-VL",
+        _IMAGE_SOURCES,
     ),
     Family(
         "vlm_moe",
@@ -120,6 +133,7 @@ FAMILIES = (
         },  # fmt: skip
         True,
         "Qwen3-VL-MoE",
+        _IMAGE_SOURCES,
     ),
 )
 
@@ -176,7 +190,8 @@ FEATURES = (
         "trainer:\n  callbacks+:\n    - class_path: xtl.callbacks.Compile\n"
         "      init_args: {backend: aot_eager, scope: model}\n",
         "first_step",
-        "compile of the whole training forward (`scope: model`, `aot_eager` here): one device, text models",
+        "compile of the whole training forward (`scope: model`, `aot_eager` here; under FSDP each layer call is its "
+        "own frame between FSDP's hooks)",
     ),
     Feature("fp8", ("fp8.yaml",), "", "close", "fp8 tensorwise"),
     Feature("lora", ("lora.yaml",), "", "first_step", "LoRA"),
@@ -317,18 +332,15 @@ FEATURES = (
         "model:\n  init_args:\n    model_overrides: {fused_projections: true}\n",
         "close",
         "fused projections: one q/k/v and one gate/up matmul (`model_overrides: {fused_projections: true}`; MLA "
-        "fuses its gated MLPs only, GPT-OSS its attention only); not run under CP and EP, which change the "
-        "attention core and the experts, not the projections",
-        ("single", "fsdp"),
+        "fuses its gated MLPs only, GPT-OSS its attention only); under CP the fused q/k/v output is split by heads "
+        "like the separate ones",
     ),
     Feature(
         "fused_muon",
         ("muon.yaml",),
         "model:\n  init_args:\n    model_overrides: {fused_projections: true}\n",
         "close",
-        "fused projections trained with Muon (each fused weight orthogonalized per HF matrix: q, k, v, gate, up); "
-        "one device and FSDP, as `fused`",
-        ("single", "fsdp"),
+        "fused projections trained with Muon (each fused weight orthogonalized per HF matrix: q, k, v, gate, up)",
     ),
     Feature(
         "mtp",
@@ -379,39 +391,58 @@ STRATEGIES = (
     ),
 )
 
-# (family, feature, strategy; each may be "*") -> a text the startup refusal must contain (the first match)
-REFUSED: dict[tuple[str, str, str], str] = {
-    ("*", "qlora", "fsdp"): "QLoRA is single-device",
-    ("*", "qlora", "ep"): "QLoRA is single-device",
-    ("*", "qlora", "cp"): "QLoRA is single-device",
+
+@dataclass(frozen=True)
+class Refused:
+    """Why a combination is refused at startup, and whether that can change.
+
+    Attributes:
+        text: A text the startup refusal (the ``xtl: error:`` line) must contain.
+        permanent: ``True``: a limit of the combination itself (it cannot work, see ``why``); ``False``: planned,
+            it could work and is not built yet.
+        why: The reason, for the docs.
+    """
+
+    text: str
+    permanent: bool
+    why: str
+
+
+_NO_MTP = Refused(
+    "mtp_layers is a setting of deepseek_v3 models only",
+    True,
+    "the family's Hugging Face architecture has no multi-token-prediction modules to load, train or export",
+)
+_VLM_DISTILL = Refused(
+    "DistillModule trains text models",
+    False,
+    "the student's rollouts and the teacher's scoring take text prompts only; image prompts are not wired in yet",
+)
+_VLM_REWARD = Refused(
+    "RewardModule trains text models",
+    True,
+    "transformers has no sequence-classification class for Qwen3-VL, so the trained reward model could not be "
+    "loaded by anything but xtl",
+)
+# (family, feature, strategy; each may be "*") -> the refusal (the first match)
+REFUSED: dict[tuple[str, str, str], Refused] = {
     # the strategy refuses what does not run under context parallelism before any callback's own setup
-    ("*", "parity_check", "cp"): "HFParityCheck runs whole documents on each process",
-    ("vlm", "parity_check", "*"): "HFParityCheck compares decoder-only text models",
-    ("vlm_moe", "parity_check", "*"): "HFParityCheck compares decoder-only text models",
-    ("vlm", "grpo", "*"): "GRPOModule trains text models",
-    ("vlm_moe", "grpo", "*"): "GRPOModule trains text models",
-    ("vlm", "grpo_tools", "*"): "GRPOModule trains text models",
-    ("vlm", "grpo_partial", "*"): "GRPOModule trains text models",
-    ("vlm_moe", "grpo_partial", "*"): "GRPOModule trains text models",
-    ("vlm_moe", "grpo_tools", "*"): "GRPOModule trains text models",
-    ("vlm", "online_dpo", "*"): "OnlineDPOModule trains text models",
-    ("vlm_moe", "online_dpo", "*"): "OnlineDPOModule trains text models",
-    ("vlm", "reward", "*"): "RewardModule trains text models",
-    ("vlm_moe", "reward", "*"): "RewardModule trains text models",
-    ("vlm", "distill", "*"): "DistillModule trains text models",
-    ("vlm_moe", "distill", "*"): "DistillModule trains text models",
-    ("*", "distill", "cp"): "DistillModule samples whole completions and scores them with the teacher",
-    **{
-        ("*", "compile_model", strategy): "Compile scope: model compiles the whole forward on one device"
-        for strategy in ("fsdp", "ep", "cp")
-    },
-    ("vlm", "compile_model", "*"): "Compile scope: model compiles text models",
-    ("vlm_moe", "compile_model", "*"): "Compile scope: model compiles text models",
-    ("mla", "mtp", "cp"): "multi-token prediction shifts tokens across context-parallel shares",
-    **{
-        (f, "mtp", "*"): "mtp_layers is a setting of deepseek_v3 models only"
-        for f in ("dense", "moe", "sinks", "vlm", "vlm_moe")
-    },
+    ("*", "parity_check", "cp"): Refused(
+        "HFParityCheck runs whole documents on each process",
+        True,
+        "transformers runs each whole document on one process, which is what context parallelism exists to avoid; "
+        "check the same model on one device or under FSDP",
+    ),
+    ("vlm", "reward", "*"): _VLM_REWARD,
+    ("vlm_moe", "reward", "*"): _VLM_REWARD,
+    ("vlm", "distill", "*"): _VLM_DISTILL,
+    ("vlm_moe", "distill", "*"): _VLM_DISTILL,
+    ("*", "distill", "cp"): Refused(
+        "DistillModule samples whole completions and scores them with the teacher",
+        False,
+        "the teacher's scoring pass is not split over context-parallel shares yet",
+    ),
+    **{(f, "mtp", "*"): _NO_MTP for f in ("dense", "moe", "sinks", "vlm", "vlm_moe")},
 }
 
 
@@ -429,13 +460,18 @@ class Cell:
         return f"{self.family.name}-{self.feature.name}-{self.strategy.name}"
 
     @property
-    def refusal(self) -> str | None:
-        """The text the refusal must contain, or ``None`` when the cell must train."""
-        for (family, feature, strategy), text in REFUSED.items():
+    def refused(self) -> Refused | None:
+        """The refusal, or ``None`` when the cell must train."""
+        for (family, feature, strategy), refused in REFUSED.items():
             if feature in ("*", self.feature.name) and family in ("*", self.family.name):
                 if strategy in ("*", self.strategy.name):
-                    return text
+                    return refused
         return None
+
+    @property
+    def refusal(self) -> str | None:
+        """The text the refusal must contain, or ``None`` when the cell must train."""
+        return None if self.refused is None else self.refused.text
 
     def configs(self, config_dir: Path, run_dir: Path) -> list[str]:
         """``--config`` arguments: the recipe, the cell's model and trainer settings (written to ``config_dir``,
@@ -454,7 +490,10 @@ class Cell:
             configs += ["--config", str(ROOT / "callbacks" / name)]
         if feature.inline:
             inline = config_dir / f"{self.id}.feature.yaml"
-            inline.write_text(feature.inline)
+            text = feature.inline
+            for source, replacement in family.sources:
+                text = text.replace(source, replacement)
+            inline.write_text(text)
             configs += ["--config", str(inline)]
         return configs
 
@@ -521,26 +560,33 @@ def render_markdown() -> str:
         "| family | strategy | " + " | ".join(f.name for f in FEATURES[1:]) + " |",
         "|---|---|" + "---|" * (len(FEATURES) - 1),
     ]
-    notes: dict[str, int] = {}
+    notes: dict[Refused, int] = {}
     for strategy in STRATEGIES:
         for family in FAMILIES:
             if strategy.moe_only and not family.moe:
                 continue
             marks = []
             for feature in FEATURES[1:]:
-                refusal = Cell(family, feature, strategy).refusal
+                refused = Cell(family, feature, strategy).refused
                 if feature.strategies is not None and strategy.name not in feature.strategies:
                     marks.append("not run")
-                elif refusal is None:
+                elif refused is None:
                     marks.append("trains")
                 else:
-                    number = notes.setdefault(refusal, len(notes) + 1)
-                    marks.append(f"refused ({number})")
+                    number = notes.setdefault(refused, len(notes) + 1)
+                    marks.append(f"{'limit' if refused.permanent else 'planned'} ({number})")
             lines.append(f"| {family.name} | {strategy.name} | " + " | ".join(marks) + " |")
     lines.append("")
-    lines += [f'({n}) refused at startup: "{text}..."' for text, n in notes.items()]
+    lines += [
+        f'({n}) refused at startup: "{r.text}...". {"Permanent limit" if r.permanent else "Planned"}: {r.why}.'
+        for r, n in notes.items()
+    ]
     lines.append("")
     lines += [f"- **{f.name}**: {f.what}." for f in FAMILIES]
+    lines.append(
+        "- The vision-language families train the preference, unpaired and prompt features (DPO, KTO, GRPO, online "
+        "DPO) on rows with images (`xtl/assets/tiny_vlm`: pairs, KTO rows and prompts about the shape images)."
+    )
     lines += [f"- **{f.name}**: {f.what}; claim `{f.claim}`." for f in FEATURES[1:]]
     lines += [f"- **{s.name}**: {s.what}." for s in STRATEGIES]
     return "\n".join(lines) + "\n"
