@@ -117,19 +117,13 @@ class TestMergedExport:
 
 class TestQLoRAExport:
     def test_merged_nf4_model_loads_in_transformers_with_the_qlora_logits(self, tmp_path):
-        # 128 x 128 and 256 x 128 weights: whole NF4 blocks
-        config = Qwen3Config(
-            vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=32,
-        )  # fmt: skip
-        torch.manual_seed(0)
-        Qwen3ForCausalLM(config).save_pretrained(tmp_path / "base")
+        _save_nf4_base(tmp_path / "base")
         lora = LoRA(rank=4, alpha=8)
         model = _xtl_lora(tmp_path / "base", lora, QLoRA())
         assert type(model.layers[0].self_attn.q_proj.weight).__name__ == "NF4Tensor"
         _randomize_adapters(model)
         target = _export(model, tmp_path / "out", lora, "merged")  # NF4 weights dequantized, adapters merged
-        ids = _ids(config.vocab_size)
+        ids = _ids(model.config.vocab_size)
         torch.testing.assert_close(_hf_logits(_load_base(target), ids), _xtl_logits(model, ids), rtol=0, atol=ATOL)
 
 
@@ -337,12 +331,7 @@ class TestFSDP:
 
     def test_two_sharded_qlora_ranks_export_what_one_process_does(self, tmp_path):
         # FSDP QLoRA: the merged export dequantizes the gathered NF4 weights, which are one process's NF4 values
-        config = Qwen3Config(
-            vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=32,
-        )  # fmt: skip
-        torch.manual_seed(0)
-        Qwen3ForCausalLM(config).save_pretrained(tmp_path / "base")
+        _save_nf4_base(tmp_path / "base")
         sharded_out, plain_out = tmp_path / "sharded", tmp_path / "plain"
         args = (2, _free_port(), str(tmp_path / "base"), str(sharded_out), True)
         mp.spawn(_fsdp_worker, args=args, nprocs=2, join=True)
@@ -354,3 +343,13 @@ class TestFSDP:
             assert filecmp.cmp(sharded_out / "final" / name, plain_out / "final" / name, shallow=False), name
         reloaded = torch.load(sharded_out / "reloaded.pt")
         assert all(torch.equal(reloaded[k], v) for k, v in model.adapter_tensors().items())
+
+
+def _save_nf4_base(path: Path) -> None:
+    """A seeded tiny Qwen3 whose 128 x 128 and 256 x 128 weights are whole NF4 blocks, saved by transformers."""
+    config = Qwen3Config(
+        vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(config).save_pretrained(path)

@@ -79,22 +79,17 @@ def build_tokenize_fn(
     if kind in (PREFERENCE_KIND, UNPAIRED_KIND):
         settings = (ImageProcessorConfig.from_any(image_processor) or ImageProcessorConfig()) if images else None
         if kind == UNPAIRED_KIND:
-            return UnpairedPreferenceTokenizeFn(
-                tokenizer,
-                template=template,
-                template_kwargs=template_kwargs,
-                bad_rows=bad_rows,  # type: ignore[arg-type]
-                image_processor=settings,
-                image_root=image_root,
-            )
-        return PreferenceTokenizeFn(
+            cls, extra = UnpairedPreferenceTokenizeFn, {}
+        else:
+            cls, extra = PreferenceTokenizeFn, {"margin_key": margin_key}
+        return cls(
             tokenizer,
             template=template,
             template_kwargs=template_kwargs,
             bad_rows=bad_rows,  # type: ignore[arg-type]
-            margin_key=margin_key,
             image_processor=settings,
             image_root=image_root,
+            **extra,
         )
     raise DataError(
         f"unknown source kind {kind!r}; use 'chat' (messages), 'text' (pretraining), 'preference' (chosen/rejected "
