@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -18,12 +19,21 @@ from xtl.cli_parser import XTLArgumentParser, user_error_message
 from xtl.data import XTLDataModule
 from xtl.errors import ConfigError, debug_enabled
 from xtl.moved_settings import moved_setting_error
-from xtl.run_layout import SaveRunConfig, class_path_of, refuse_stale_checkpoints, root_outputs_at
+from xtl.run_layout import (
+    SaveRunConfig,
+    checkpoint_folders,
+    checkpoint_staging_dir,
+    class_path_of,
+    refuse_stale_checkpoints,
+    root_outputs_at,
+)
 from xtl.strategies.checkpoint_io import LIGHTNING_METADATA, raise_if_unreadable
+from xtl.strategies.remote_checkpoint import fetch, is_url
+from xtl.strategies.restart import Resume, resolve_ckpt_path
 from xtl.train import LanguageModule
 from xtl.train.optim import OptimizerConfig
 
-CKPT_KEYWORDS = ("last", "best", "hpc")  # --ckpt_path values Lightning resolves itself
+CKPT_KEYWORDS = ("last", "best", "hpc")  # --ckpt_path values Lightning resolves itself (xtl's: auto, none)
 ARCHITECTURE_KEYS = ("model", "model_overrides")  # model.init_args keys a checkpoint always decides
 
 # An optimizer is any OptimizerConfig subclass, chosen in YAML by class_path (AdamWConfig by default).
@@ -34,6 +44,7 @@ class XTLCLI(LightningCLI):
     """LightningCLI with xtl's module base (``class_path`` picks the family) and data module."""
 
     _only: str | None = None  # the subcommand that runs (None: every one)
+    _resume: Resume = Resume(None)  # what --ckpt_path resolved to (xtl.strategies.restart): Lightning gets its path
 
     def __init__(self, args: list[str] | None = None, run: bool = True) -> None:
         words = sys.argv[1:] if args is None else args
@@ -84,9 +95,19 @@ class XTLCLI(LightningCLI):
         Lightning does) but keep the ``--model...`` options typed on the command line: what the user types wins over
         the checkpoint, which wins over the config files."""
         subcommand = self.config.get("subcommand")
-        path = self.config[subcommand].get("ckpt_path") if subcommand else None
+        if not subcommand:
+            return
+        config = self.config[subcommand]
+        self._resume = resolve_ckpt_path(config.get("ckpt_path"), subcommand, checkpoint_folders(config))
+        if _rank() == 0:
+            for line in self._resume.lines:
+                print(line, file=sys.stderr, flush=True)
+        path = self._resume.path
         if not path or path in CKPT_KEYWORDS:
             return
+        if is_url(path):  # a remote checkpoint (a URL, or auto in a URL folder): loaded from a local download
+            path = str(fetch(path, checkpoint_staging_dir(config, path)))
+            self._resume = dataclasses.replace(self._resume, path=path)
         raise_if_unreadable(Path(path))
         if Path(path).is_dir():  # a DCP directory: its hyperparameters are in meta.pt
             path = str(Path(path) / LIGHTNING_METADATA)
@@ -99,6 +120,14 @@ class XTLCLI(LightningCLI):
         if "_class_path" in hparams:
             hparams = {"class_path": hparams.pop("_class_path"), "dict_kwargs": hparams}
         self.config = self.parser.parse_object({subcommand: {"model": hparams}}, self.config)
+
+    def _prepare_subcommand_kwargs(self, subcommand: str) -> dict[str, Any]:
+        """Lightning's arguments of the subcommand, with ``ckpt_path`` as resolved (the saved config keeps what the
+        user wrote: ``auto`` resumes again from the run's newest checkpoint)."""
+        kwargs = super()._prepare_subcommand_kwargs(subcommand)
+        if "ckpt_path" in kwargs:
+            kwargs["ckpt_path"] = self._resume.path
+        return kwargs
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,9 +8,10 @@
 - ``validate/``, ``test/``, ``predict/`` ``version_N``: what the evaluation commands log (never mixed into the
   training logs), and ``predictions.jsonl``.
 
-A ``fit`` without ``--ckpt_path`` into a run folder whose checkpoint folder already holds checkpoints is refused:
+A ``fit`` that starts from scratch into a run folder whose checkpoint folder already holds checkpoints is refused:
 the new run would write ``last-v1.ckpt`` beside the old ``last.ckpt``, and every command reading ``last`` would
-silently evaluate the older model.
+silently evaluate the older model. A fit that resumes by itself (``--ckpt_path auto``, or a restart:
+:mod:`xtl.strategies.restart`) is not refused: it finds those checkpoints and goes on from the newest.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from jsonargparse import Namespace
 from lightning.pytorch.cli import SaveConfigCallback
 
 from xtl.errors import ConfigError
+from xtl.strategies.remote_checkpoint import complete_checkpoints, staging_dir_for
 from xtl.utils import atomic_write_bytes
 
 EVAL_SUBCOMMANDS = ("validate", "test", "predict")
@@ -71,7 +73,7 @@ def root_outputs_at(config: Any, subcommand: str | None = None) -> None:
     for entry, key in [(e, "save_dir") for e in loggers] + [(c, "dirpath") for c in trainer.callbacks or []]:
         init_args = _init_args(entry)
         value = init_args.get(key) if init_args is not None else None
-        if isinstance(value, str) and not Path(value).is_absolute():
+        if isinstance(value, str) and "://" not in value and not Path(value).is_absolute():  # URLs stay
             setattr(init_args, key, str(root / value))
     if subcommand in EVAL_SUBCOMMANDS:
         for entry in loggers:
@@ -81,27 +83,58 @@ def root_outputs_at(config: Any, subcommand: str | None = None) -> None:
 
 
 def refuse_stale_checkpoints(config: Any) -> None:
-    """Refuse a fresh ``fit`` whose checkpoint folder holds checkpoints of an earlier run.
+    """Refuse a ``fit`` that starts from scratch (the CLI calls it then) when its checkpoint folder holds checkpoints
+    of an earlier run.
 
     Raises:
-        ConfigError: Naming the folder, its newest checkpoint and the three ways on (resume, another folder,
-            delete).
+        ConfigError: Naming the folder, its newest checkpoint and the ways on (resume, another folder, delete).
     """
-    if config.get("ckpt_path"):
-        return
-    for callback in config.trainer.callbacks or []:
-        if "Checkpoint" not in class_path_of(callback):
-            continue
-        init_args = _init_args(callback)
-        dirpath = init_args.get("dirpath") if init_args is not None else None
-        folder = Path(dirpath) if isinstance(dirpath, str) else None
-        found = sorted(folder.glob("*.ckpt"), key=lambda p: p.stat().st_mtime) if folder and folder.is_dir() else []
+    for dirpath in checkpoint_folders(config):
+        folder = Path(dirpath) if "://" not in dirpath else dirpath
+        if isinstance(folder, str):  # an fsspec URL: its complete checkpoints (xtl.strategies.remote_checkpoint)
+            found = [c.name for c in complete_checkpoints(folder)]
+        elif folder.is_dir():
+            found = [p.name for p in sorted(folder.glob("*.ckpt"), key=lambda p: p.stat().st_mtime)]
+        else:
+            found = []
         if found:
             raise ConfigError(
-                f"{folder} already holds the checkpoints of an earlier run (newest: {found[-1].name}); a new run "
-                "would leave its 'last' checkpoint beside them. Resume that run with --ckpt_path last, write this "
-                f"one elsewhere with --trainer.default_root_dir DIR, or delete {folder}"
+                f"{folder} already holds the checkpoints of an earlier run (newest: {found[-1]}); a new run "
+                "would leave its 'last' checkpoint beside them. Resume that run with --ckpt_path last (or auto), "
+                f"write this one elsewhere with --trainer.default_root_dir DIR, or delete {folder}"
             )
+
+
+def checkpoint_folders(config: Any) -> list[str]:
+    """The ``dirpath`` of every checkpoint callback of a subcommand's parsed config (``class_path`` containing
+    ``Checkpoint``), in the config's order.
+
+    A relative one is taken relative to ``trainer.default_root_dir`` as :func:`root_outputs_at` makes it (so the
+    answer is the same before and after that); a URL (``scheme://...``) is kept as given. A callback without a
+    ``dirpath`` (Lightning's default folder inside the logger's version) is left out.
+    """
+    root = Path(config.trainer.default_root_dir or ".").resolve()
+    folders = []
+    for callback in config.trainer.callbacks or []:
+        init_args = _init_args(callback) if "Checkpoint" in class_path_of(callback) else None
+        dirpath = init_args.get("dirpath") if init_args is not None else None
+        if isinstance(dirpath, str):
+            folders.append(dirpath if "://" in dirpath else str(root / dirpath))
+    return folders
+
+
+def checkpoint_staging_dir(config: Any, checkpoint_url: str) -> Path:
+    """The local folder a remote checkpoint ``checkpoint_url`` is downloaded to: the ``staging_dir`` of the
+    checkpoint callback whose ``dirpath`` holds it, else the default staging folder of its folder
+    (:func:`xtl.strategies.remote_checkpoint.staging_dir_for`)."""
+    folder = checkpoint_url.rstrip("/").rsplit("/", 1)[0]
+    staging_dir = None
+    for callback in config.trainer.callbacks or []:
+        init_args = _init_args(callback) if "Checkpoint" in class_path_of(callback) else None
+        if init_args is not None and str(init_args.get("dirpath") or "").rstrip("/") == folder:
+            staging_dir = init_args.get("staging_dir")
+            break
+    return staging_dir_for(folder, config.trainer.default_root_dir or ".", staging_dir)
 
 
 def class_path_of(entry: Any) -> str:

@@ -6,12 +6,15 @@ and renamed (:class:`AtomicCheckpointIO`, ``FSDPStrategy.save_checkpoint``), so 
 checkpoint intact. Before one is loaded, :func:`checkpoint_problem` reads its structure (zip CRCs; the DCP metadata
 and the byte ranges it names), so a torn or corrupt checkpoint gets a short error naming the file and the newest
 intact checkpoint beside it instead of a traceback from deep inside ``torch.load``.
+
+Checkpoints in an fsspec URL folder (object stores) are uploaded whole before they count
+(:mod:`xtl.strategies.remote_checkpoint`); :func:`find_resume_checkpoint` and :func:`checkpoint_step` take such
+folders and checkpoints too.
 """
 
 from __future__ import annotations
 
 import os
-import pickle
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -19,12 +22,15 @@ from typing import Any
 import torch
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.plugins.io import TorchCheckpointIO
-from torch.distributed.checkpoint.metadata import Metadata
 
 from xtl.model.hf.errors import CheckpointError
-
-DCP_METADATA = ".metadata"
-LIGHTNING_METADATA = "meta.pt"
+from xtl.strategies.dcp_layout import DCP_METADATA, LIGHTNING_METADATA, dcp_byte_ranges
+from xtl.strategies.remote_checkpoint import (
+    is_url,
+    newest_complete_checkpoint,
+    read_checkpoint,
+    remote_checkpoint_problem,
+)
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -129,20 +135,48 @@ def recover_interrupted_replace(directory: Path) -> list[Path]:
     return restored
 
 
+def find_resume_checkpoint(dirpath: str) -> str | None:
+    """The checkpoint a run resumes from in its checkpoint folder ``dirpath`` (``--ckpt_path auto``): the newest
+    intact one (:func:`newest_intact_checkpoint`, by modification time) once the replacements a crash interrupted are
+    finished (:func:`recover_interrupted_replace`), or ``None`` when the folder holds none.
+
+    For an fsspec URL folder: the URL of its most recently committed complete checkpoint
+    (:func:`xtl.strategies.remote_checkpoint.newest_complete_checkpoint`); the CLI downloads it
+    (:func:`xtl.strategies.remote_checkpoint.fetch`) as it does any ``--ckpt_path`` URL."""
+    if is_url(dirpath):
+        newest = newest_complete_checkpoint(dirpath)
+        return None if newest is None else newest.url
+    folder = Path(dirpath)
+    recover_interrupted_replace(folder)
+    found = newest_intact_checkpoint(folder)
+    return None if found is None else str(found)
+
+
+def checkpoint_step(path: str | Path) -> int:
+    """The ``global_step`` a training checkpoint was saved at, read without loading its tensors (a DCP directory:
+    from its ``meta.pt``; a file: memory-mapped; a URL: from its manifest)."""
+    if is_url(path):
+        remote = read_checkpoint(str(path))
+        if remote is None:
+            raise CheckpointError(f"checkpoint {path} cannot be loaded: {remote_checkpoint_problem(str(path))}")
+        return remote.global_step
+    path = Path(path)
+    source = path / LIGHTNING_METADATA if path.is_dir() else path
+    checkpoint = torch.load(source, map_location="cpu", weights_only=True, mmap=True)
+    return int(checkpoint.get("global_step", 0))
+
+
 def _dcp_problem(path: Path) -> str | None:
     if not (path / LIGHTNING_METADATA).is_file():
         return f"it has no {LIGHTNING_METADATA} (not a finished distributed checkpoint)"
     try:
-        with (path / DCP_METADATA).open("rb") as f:
-            metadata = pickle.load(f)
-    except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ValueError) as err:
-        return f"its {DCP_METADATA} cannot be read ({err})"
-    if not isinstance(metadata, Metadata):
-        return f"its {DCP_METADATA} is not DCP metadata"
-    for info in (metadata.storage_data or {}).values():
-        file = path / info.relative_path
+        ends = dcp_byte_ranges(path / DCP_METADATA)
+    except CheckpointError as err:
+        return str(err)
+    for relative, end in ends.items():
+        file = path / relative
         if not file.is_file():
-            return f"its shard {info.relative_path} is missing"
-        if file.stat().st_size < info.offset + info.length:
-            return f"its shard {info.relative_path} is truncated"
+            return f"its shard {relative} is missing"
+        if file.stat().st_size < end:
+            return f"its shard {relative} is truncated"
     return None

@@ -10,7 +10,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.fabric.utilities.distributed import _init_dist_connection
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.strategies import ModelParallelStrategy, ParallelStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from xtl.errors import ConfigError
@@ -20,6 +22,7 @@ from xtl.strategies.checkpoint_io import LIGHTNING_METADATA, raise_if_unreadable
 from xtl.strategies.expert_parallel import shard_experts, split_experts
 from xtl.strategies.layout import ParallelLayout
 from xtl.strategies.parallelize import ShardedStrategyMixin
+from xtl.strategies.restart import attempt_store
 
 DtypeName = Literal["float32", "bfloat16", "float16"]
 
@@ -132,6 +135,22 @@ class FSDPStrategy(ShardedStrategyMixin, ModelParallelStrategy):
             check_context_parallel(self.layout, [module, *trainer.callbacks], trainer.state.fn.value)
         self.meshes = self.layout.build(self.root_device.type)
 
+    def _setup_distributed(self) -> None:
+        """Lightning's, but under torchrun each launch attempt's process group keeps its keys apart from those of
+        the attempt before (:func:`xtl.strategies.restart.attempt_store`), so a restarted job finds its own ranks."""
+        store = attempt_store(self._timeout)
+        if store is None:
+            super()._setup_distributed()
+            return
+        ParallelStrategy.setup_environment(self)
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = self._get_process_group_backend()
+        device = self.root_device if self.root_device.type != "cpu" else None
+        _init_dist_connection(
+            self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device, store=store
+        )
+
     @property
     def distributed_sampler_kwargs(self) -> dict[str, int]:
         """The sampler's rank and number of replicas: the data-parallel ones of the layout."""
@@ -177,7 +196,8 @@ class FSDPStrategy(ShardedStrategyMixin, ModelParallelStrategy):
         }
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any = None) -> None:
-        """Write to a temporary sibling, then replace ``filepath`` atomically (rank 0 renames).
+        """Write to a temporary sibling, then replace ``filepath`` atomically (rank 0 renames; in a folder local to
+        each node, each node's first rank renames its node's part).
 
         With ``async_save`` the tensors are written in the background and the rename is left to
         :meth:`finish_pending_save`; a save still pending from before is finished first.
@@ -185,17 +205,15 @@ class FSDPStrategy(ShardedStrategyMixin, ModelParallelStrategy):
         self.finish_pending_save()
         path = Path(self.broadcast(str(filepath)))
         tmp = path.with_name(f".{path.name}.tmp")
-        if self.global_rank == 0 and tmp.exists():
-            shutil.rmtree(tmp) if tmp.is_dir() else tmp.unlink()
+        if self.local_rank == 0 and tmp.exists():  # each node: a folder local to the node has its own leftover
+            shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() else tmp.unlink(missing_ok=True)
         self.barrier()
         if self.async_save:
             self._pending_save = self._start_async_save(checkpoint, tmp, path, storage_options)
             return
         super().save_checkpoint(checkpoint, tmp, storage_options)
         self.barrier()
-        if self.global_rank == 0:
-            _replace(tmp, path)
-        self.barrier()
+        self._rename_into_place(tmp, path)
 
     def finish_pending_save(self) -> None:
         """Wait for the pending background save, then rename it into place (rank 0); a no-op without one.
@@ -209,10 +227,11 @@ class FSDPStrategy(ShardedStrategyMixin, ModelParallelStrategy):
         if pending is None:
             return
         pending.future.result()
-        if self.global_rank == 0:
-            _replace(pending.tmp, pending.path)
-        if not self._interrupted:
-            self.barrier("finish_pending_save")
+        if self._interrupted:  # the other ranks may be gone: rank 0's part only
+            if self.global_rank == 0:
+                _replace(pending.tmp, pending.path)
+            return
+        self._rename_into_place(pending.tmp, pending.path)
 
     def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
         """Load a DCP directory (or a full checkpoint file) after checking it is whole (a pending save finished
@@ -254,6 +273,17 @@ class FSDPStrategy(ShardedStrategyMixin, ModelParallelStrategy):
                 self._checkpoint_group = None
             self._interrupted = False
             super().teardown()
+
+    def _rename_into_place(self, tmp: Path, path: Path) -> None:
+        """Rank 0 replaces ``path`` by the complete ``tmp``; then, where ``tmp`` is still there (a folder local to
+        each node, e.g. a node-local staging folder of a remote checkpoint, holds each node's ranks' shards), the
+        node's first rank renames its part. Every rank calls it."""
+        if self.global_rank == 0:
+            _replace(tmp, path)
+        self.barrier("rename_into_place")
+        if self.global_rank != 0 and self.local_rank == 0 and tmp.exists():
+            _replace(tmp, path)
+        self.barrier("rename_into_place")
 
     def _start_async_save(
         self, checkpoint: dict[str, Any], tmp: Path, path: Path, storage_options: Any

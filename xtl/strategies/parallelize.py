@@ -195,6 +195,11 @@ class ParallelizingStrategy(ABC):
         """Sharded parameters live on the CPU between their uses (FSDP2's CPU offload)."""
         return False
 
+    def finish_pending_save(self) -> None:
+        """Complete a checkpoint still being written in the background, so that its files are all there (every rank
+        calls it; a no-op unless the strategy saves asynchronously)."""
+        return None
+
     def data_group(self) -> Any:
         """The process group the token count and router statistics sum over (``None``: one rank)."""
         return self.meshes.data_group()
