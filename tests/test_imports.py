@@ -124,6 +124,8 @@ def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
 
 # Third-party objects whose optional attributes xtl may probe, one entry per probe: "file: expression -> reason".
 SEAM_ALLOWLIST = (
+    "callbacks/watchdog.py: hasattr(distributed_c10d, '_get_default_store') -> torch's private getter of the default"
+    " process group's store (no public API; checked, so that another torch turns the watchdog off with a message)",
     "cli_parser.py: getattr(action, 'choices', None) -> an argparse action of jsonargparse's: only some have choices",
     "data/tokenize.py: getattr(tokenizer, 'backend_tokenizer', None) -> a transformers tokenizer: only fast ones"
     " have a Rust backend",

@@ -72,10 +72,10 @@ class XTLCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         """Lay the run out in ``trainer.default_root_dir`` (:mod:`xtl.run_layout`), check the accelerator exists,
-        count steps in the progress bar."""
+        count steps in the progress bar, watch the ranks of a fit (:class:`~xtl.callbacks.RankWatchdog`)."""
         config = self.config[self.subcommand] if self.subcommand else self.config
         root_outputs_at(config, self.subcommand)
-        if self.subcommand == "fit":
+        if self.subcommand == "fit" and self._resume.path is None and not self._resume.automatic:
             refuse_stale_checkpoints(config)
         trainer = config.trainer
         missing = missing_accelerator(trainer.accelerator)
@@ -89,9 +89,13 @@ class XTLCLI(LightningCLI):
         if trainer.enable_progress_bar is not False and not bars:
             bar = Namespace(class_path="xtl.callbacks.StepProgressBar", init_args=Namespace(refresh_rate=1))
             trainer.callbacks = [*(trainer.callbacks or []), bar]
+        if self.subcommand == "fit" and not any("RankWatchdog" in class_path_of(c) for c in trainer.callbacks or []):
+            watchdog = Namespace(class_path="xtl.callbacks.RankWatchdog", init_args=Namespace())  # inert on 1 process
+            trainer.callbacks = [*(trainer.callbacks or []), watchdog]
 
     def _parse_ckpt_path(self) -> None:
-        """Check a ``--ckpt_path`` file or directory, then take the model's settings from the checkpoint (as
+        """Resolve ``--ckpt_path auto`` / ``none`` and a restarted fit (:mod:`xtl.strategies.restart`; rank 0 prints
+        the outcome), check a checkpoint file or directory, then take the model's settings from the checkpoint (as
         Lightning does) but keep the ``--model...`` options typed on the command line: what the user types wins over
         the checkpoint, which wins over the config files."""
         subcommand = self.config.get("subcommand")

@@ -14,6 +14,7 @@ from xtl.callbacks.progress import StepProgressBar
 from xtl.callbacks.qlora import QLoRA
 from xtl.callbacks.rollout_trace import RolloutTrace
 from xtl.callbacks.throughput import Throughput
+from xtl.callbacks.watchdog import RankWatchdog
 
 __all__ = [
     "ActivationCheckpointing",
@@ -27,6 +28,7 @@ __all__ = [
     "LoRA",
     "OffloadStats",
     "QLoRA",
+    "RankWatchdog",
     "RolloutTrace",
     "StepProgressBar",
     "Throughput",
