@@ -15,7 +15,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 class TestRegistry:
     def test_names(self) -> None:
-        assert set(TOOLS) == {"memory", "convert", "check-hf-config", "check-parity", "generate", "eval"}
+        names = {"memory", "convert", "check-hf-config", "check-parity", "generate", "eval", "build-cache"}
+        assert set(TOOLS) == names
 
     @pytest.mark.parametrize("argv", [["--help"], ["to-fp8", "--help"], ["repack", "--help"], ["patch", "--help"]])
     def test_convert_help(self, argv: list[str], capsys: pytest.CaptureFixture) -> None:

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 import xxhash
 
-from xtl.data.cache import DEFAULT_CACHE_DIR, TokenizedCache, build_cache
+from xtl.data.cache import DEFAULT_CACHE_DIR, TokenizedCache, build_cache, build_cache_part, wait_for_cache
 from xtl.data.collate import StepCollator
 from xtl.data.consumer import DataConsumer
 from xtl.data.dataset import MixedDataset
@@ -35,7 +35,17 @@ from xtl.data.packing import (
 from xtl.data.preference import BAD_ROW_POLICIES, PREFERENCE_KIND, check_pair_plan, dropped_rows
 from xtl.data.prompts import PROMPT_KIND, PromptSet, StepTickets
 from xtl.data.sampler import EvalStepSampler, RankSteps, SamplerOrder, StepSampler
-from xtl.data.sources import FileHashMemo, SourceSpec, open_source
+from xtl.data.sources import FileHashMemo, Source, SourceSpec, open_source
+from xtl.data.streaming import (
+    STREAM_PACKING,
+    StreamingLoader,
+    StreamingPacks,
+    default_stream_workers,
+    stream_settings,
+    streaming_summary,
+)
+from xtl.data.streaming_source import StreamSource
+from xtl.data.tokenize import TokenizeFn, tokenizer_fingerprint
 from xtl.data.tokenize_fn import build_tokenize_fn
 from xtl.data.unpaired import UNPAIRED_KIND
 from xtl.utils import resolve_path, resolve_pretrained
@@ -130,6 +140,14 @@ class XTLDataModule(pl.LightningDataModule):
         pin_memory (bool | None): Collate into page-locked host memory, so the host-to-device copy of a batch is
             asynchronous (``MicroBatch.to`` then copies with ``non_blocking``). ``None`` (default): on when
             training on CUDA.
+        shard_cache_build (bool): Under a trainer of several nodes whose ``cache_dir`` every node sees, node ``k`` of
+            ``n`` tokenizes shard ``k`` of every source in :meth:`prepare_data` and ``setup`` waits for the assembled
+            entries (:func:`xtl.data.cache.build_cache_part`). Off (default): each node builds whole entries (a
+            per-node ``cache_dir``; on shared storage one node builds while the others wait).
+        stream_window (int): Streaming training sources (``streaming: true``, :mod:`xtl.data.streaming`): rows per
+            packing window. Each rank packs its rows window by window; a window holding the whole corpus packs as
+            the cached path does. Larger: fuller packs, more memory and a longer resume (one window is tokenized
+            again).
 
     Warm starts are cheap: a source's content hash is remembered by stat signature and sampled blocks
     (:class:`xtl.data.sources.FileHashMemo`) and the pack plan is stored under ``cache_dir/plans`` keyed by every
@@ -168,6 +186,8 @@ class XTLDataModule(pl.LightningDataModule):
         persistent_workers: bool = True,
         prefetch_factor: int | None = None,
         pin_memory: bool | None = None,
+        shard_cache_build: bool = False,
+        stream_window: int = 4096,
     ) -> None:
         super().__init__()
         if not sources:
@@ -187,6 +207,7 @@ class XTLDataModule(pl.LightningDataModule):
         self.persistent_workers = persistent_workers
         self.prefetch_factor = prefetch_factor
         self.pin_memory = pin_memory
+        self.shard_cache_build = shard_cache_build
         self.cache_dir = Path(cache_dir).expanduser() if cache_dir else DEFAULT_CACHE_DIR.expanduser()
         self._hash_memo = FileHashMemo(self.cache_dir / "fingerprints")
         self._caches: dict[str, TokenizedCache] = {}
@@ -222,16 +243,24 @@ class XTLDataModule(pl.LightningDataModule):
         self.dropped_rows: dict[str, int] = {}  # preference source path -> rows skipped under bad_rows: drop
         self._open_sources: dict[Path, Any] = {}  # cache entry -> its source (row locations for errors)
         self._check_sets()
+        self.stream_window = stream_window
+        self.streaming = self._check_streaming()
+        self._stream_state: dict[str, Any] = {}  # a streaming state loaded before the train loader exists
+        self._streams: list[StreamSource] | None = None
         self.prompts = PromptSet(self.sources, seed, "data.sources") if _is_prompt_set(self.sources) else None
 
     # -- Lightning hooks -------------------------------------------------------------------------------------------
 
     def prepare_data(self) -> None:
-        """Build the tokenization caches (runs on one process per node; others find them warm in ``setup``)."""
-        eval_sets = [*self.val_sources.values(), *self.test_sources.values()]
-        for spec in self.sources + [s for specs in eval_sets for s in specs]:
-            if spec.kind != PROMPT_KIND:
+        """Build the tokenization caches (runs on one process per node; others find them warm in ``setup``); with
+        ``shard_cache_build`` on several nodes, this node's shard of each (:meth:`cache_shard`)."""
+        shard = self.cache_shard()
+        for spec in self.cached_specs():
+            if shard is None:
                 self._cache(spec)
+            else:
+                source, fn = self.cache_inputs(spec)
+                build_cache_part(source, fn, self.cache_dir, *shard, self.tokenize_workers, progress=self.progress)
 
     def setup(self, stage: str | None = None) -> None:
         """Load caches (building any that are missing) and compute the pack plans.
@@ -239,31 +268,41 @@ class XTLDataModule(pl.LightningDataModule):
         Args:
             stage (str | None): Lightning stage; ignored (everything is cheap once cached).
         """
-        if self.train_split is not None or self.prompts is not None:
+        if self.train_split is not None or self.prompts is not None or self._streams is not None:
             return
-        self.train_split = self._split(self.sources, self.packing, self.pack_preset, "data.sources")
-        report = self.train_split.plan.report()
-        log.info("xtl data: %s sources %s, packing %s", self.packing, self.train_split.data.summary(), report)
-        if self.trainer is None or self.trainer.is_global_zero:
-            summary = packing_summary(report, self.pack_max_length, len(self.sources), self.train_split.dropped_rows)
-            print(summary, flush=True)
+        if self.streaming:  # nothing to tokenize or pack ahead: list the shards
+            self._streams = [self._stream_source(spec) for spec in self.sources]
+            if self.trainer is None or self.trainer.is_global_zero:
+                line = streaming_summary(self._streams, self.packing, self.pack_max_length, self.stream_window)
+                print(line, flush=True)
+        else:
+            self.train_split = self._split(self.sources, self.packing, self.pack_preset, "data.sources")
+            report = self.train_split.plan.report()
+            log.info("xtl data: %s sources %s, packing %s", self.packing, self.train_split.data.summary(), report)
+            if self.trainer is None or self.trainer.is_global_zero:
+                summary = packing_summary(
+                    report, self.pack_max_length, len(self.sources), self.train_split.dropped_rows
+                )
+                print(summary, flush=True)
         eval_packing = "best_fit" if self.packing == "preset" else self.packing
         for name, specs in self.val_sources.items():
             self.val_splits[name] = self._split(specs, eval_packing, None, f"data.val_sources.{name}")
         for name, specs in self.test_sources.items():
             self.test_splits[name] = self._split(specs, eval_packing, None, f"data.test_sources.{name}")
 
-    def train_dataloader(self) -> ResumableDataLoader:
+    def train_dataloader(self) -> ResumableDataLoader | StreamingLoader:
         """This rank's training step batches, resuming at ``consumed_samples``.
 
         Returns:
-            ResumableDataLoader: Yields ``list[MicroBatch]`` of length ``micro_batches_per_step`` (prompt data:
-            step numbers).
+            ResumableDataLoader | StreamingLoader: Yields ``list[MicroBatch]`` of length ``micro_batches_per_step``
+            (prompt data: step numbers); a :class:`~xtl.data.streaming.StreamingLoader` for streaming sources.
         """
         if self.prompts is not None:
             _ = self.prompts.rows  # a bad source fails before the first step
             return torch.utils.data.DataLoader(StepTickets(), batch_size=None)
         self.setup()
+        if self.streaming:
+            return self._streaming_loader()
         assert self.train_split is not None
         rank, world = self.data_parallel_rank()
         plan = self.train_split.plan
@@ -336,13 +375,26 @@ class XTLDataModule(pl.LightningDataModule):
             rows, batch_size=self.predict_batch_size, sampler=EvalStepSampler(len(rows)), collate_fn=list
         )
 
+    def teardown(self, stage: str | None = None) -> None:
+        """Stop the tokenize processes of a streaming train loader (a later iteration starts them again).
+
+        Args:
+            stage (str | None): Lightning stage; ignored.
+        """
+        if isinstance(self._train_loader, StreamingLoader):
+            self._train_loader.close()
+
     def state_dict(self) -> dict[str, Any]:
         """Data resume state (``consumed_samples``), saved by Lightning in the checkpoint.
 
         Returns:
             dict: The state.
         """
-        state = {"consumed_samples": self.consumed_samples, "seed": self.seed}
+        if isinstance(self._train_loader, StreamingLoader):  # every rank's position: in the loader's state
+            return self._train_loader.state_dict(gather=False)
+        if self.streaming and self._stream_state:
+            return dict(self._stream_state)
+        state: dict[str, Any] = {"consumed_samples": self.consumed_samples, "seed": self.seed}
         if self.prompts is not None:
             state["consumed_prompts"] = self.prompts.consumed
             if self.prompts.task_consumed:
@@ -356,6 +408,11 @@ class XTLDataModule(pl.LightningDataModule):
             state_dict (dict): From ``state_dict()``.
         """
         self._consumed_samples = int(state_dict["consumed_samples"])
+        if self.streaming:
+            self._stream_state = dict(state_dict)
+            if isinstance(self._train_loader, StreamingLoader):
+                self._train_loader.load_state_dict(state_dict)
+            return
         if self.prompts is not None:
             self.prompts.consumed = int(state_dict.get("consumed_prompts", 0))
             self.prompts.task_consumed = dict(state_dict.get("task_consumed_prompts", {}))
@@ -469,6 +526,70 @@ class XTLDataModule(pl.LightningDataModule):
             return trainer.global_rank, trainer.world_size
         return 0, 1
 
+    def cache_inputs(self, spec: SourceSpec) -> tuple[Source, TokenizeFn]:
+        """The raw source and the tokenize function of ``spec``'s cache entry, as training builds and finds it.
+
+        Args:
+            spec (SourceSpec): One of :meth:`cached_specs`.
+
+        Returns:
+            tuple[Source, TokenizeFn]: What :func:`xtl.data.cache.build_cache` takes (its key names the entry).
+        """
+        self.load_tokenizer()  # a bad tokenizer fails before the source is read
+        resolved = _resolved_spec(spec)
+        source = open_source(resolved, hf_cache_dir=self.cache_dir / "hf", hash_memo=self._hash_memo)
+        return source, self.tokenize_fn(spec)
+
+    def tokenize_fn(self, spec: SourceSpec) -> TokenizeFn:
+        """The tokenize function of ``spec`` (the same for its cache entry and for its rows streamed).
+
+        Args:
+            spec (SourceSpec): A source of this module.
+
+        Returns:
+            TokenizeFn: The function (holding the tokenizer).
+        """
+        tokenizer = self.load_tokenizer()
+        kind = "vlm_chat" if spec.kind == "chat" and self.model_reads_images else spec.kind
+        return build_tokenize_fn(
+            kind,
+            tokenizer,
+            template=self.template,
+            text_key=spec.text_key,
+            messages_key=spec.messages_key,
+            chunk_size=spec.chunk_size,
+            chunk_overlap=spec.chunk_overlap,
+            template_kwargs=self.template_kwargs,
+            eos_token=self.pretrain_eos_token,
+            image_processor=self.image_processor,
+            bad_rows=spec.bad_rows,
+            margin_key=spec.margin_key,
+            images=self.model_reads_images,
+        )
+
+    def cached_specs(self) -> list[SourceSpec]:
+        """The sources whose tokenization is cached: every training, validation and test source but prompt data.
+
+        Returns:
+            list[SourceSpec]: In ``prepare_data``'s order (training, then validation, then test sets).
+        """
+        eval_sets = [*self.val_sources.values(), *self.test_sources.values()]
+        specs = self.sources + [s for specs in eval_sets for s in specs]
+        return [spec for spec in specs if spec.kind != PROMPT_KIND and not spec.streaming]
+
+    def cache_shard(self) -> tuple[int, int] | None:
+        """``(node_rank, num_nodes)`` of the trainer when ``shard_cache_build`` is on and it runs on several nodes
+        (Lightning reads them from ``NODE_RANK`` / ``GROUP_RANK`` / ``SLURM_NODEID`` and ``trainer.num_nodes``); else
+        ``None``: each node builds whole entries.
+
+        Returns:
+            tuple[int, int] | None: This node's shard and the shard count.
+        """
+        trainer = self.trainer
+        if not self.shard_cache_build or trainer is None or trainer.num_nodes <= 1:
+            return None
+        return trainer.node_rank, trainer.num_nodes
+
     def load_tokenizer(self) -> Any:
         """Load (once) the tokenizer named by ``tokenizer``.
 
@@ -526,6 +647,86 @@ class XTLDataModule(pl.LightningDataModule):
                     "use packing: best_fit"
                 )
 
+    def _check_streaming(self) -> bool:
+        """Whether the training sources stream; refuse what streaming does not do, naming the key."""
+        for key, sets in (("data.val_sources", self.val_sources), ("data.test_sources", self.test_sources)):
+            for name, specs in sets.items():
+                streamed = [s.path for s in specs if s.streaming]
+                if streamed:
+                    raise DataError(
+                        f"{key}.{name}: source {streamed[0]}: streaming applies to training sources; validation and "
+                        "test sets are cached: remove streaming there"
+                    )
+        streamed = [s for s in self.sources if s.streaming]
+        if not streamed:
+            return False
+        if len(streamed) != len(self.sources):
+            raise DataError(
+                "data.sources mixes streaming and cached sources; a training set streams all its sources or none"
+            )
+        for spec in streamed:
+            if spec.kind not in ("chat", "text"):
+                reason = _NO_STREAM.get(spec.kind, "")
+                raise DataError(
+                    f"data.sources: source {spec.path}: kind: {spec.kind} cannot stream{reason}; streaming sources "
+                    "are kind: chat or text (or set streaming: false)"
+                )
+        if self.packing not in STREAM_PACKING:
+            raise DataError(
+                f"data.packing: {self.packing} cannot stream (a pack table indexes the whole tokenized set); a "
+                "streaming run packs best_fit or hard"
+            )
+        if self.sampler_order != "random":
+            raise DataError(
+                f"data.sampler: {self.sampler_order} orders the packs of the whole set; a streaming run takes each "
+                "window's packs in a seeded order: use sampler: random"
+            )
+        if self.stream_window < 1:
+            raise DataError(f"data.stream_window must be >= 1 row, got {self.stream_window}")
+        return True
+
+    def _stream_source(self, spec: SourceSpec) -> StreamSource:
+        return StreamSource(
+            spec.path, spec.format, spec.split, spec.name, float(spec.sample_ratio), f"data.sources ({spec.path})"
+        )
+
+    def _streaming_loader(self) -> StreamingLoader:
+        """This rank's streaming train loader at ``consumed_samples`` (and the loaded rank positions)."""
+        if self.model_reads_images:
+            raise DataError(
+                "data.sources: streaming rows with images is not supported (images are read through the cache's "
+                "image index); set streaming: false for image data"
+            )
+        trainer = self.trainer
+        if trainer is not None and (trainer.max_steps is None or trainer.max_steps < 0):
+            raise DataError("trainer.max_steps: a streaming run has no epochs to end it; set trainer.max_steps")
+        if trainer is not None and self.val_sources and isinstance(trainer.val_check_interval, float):
+            raise DataError(
+                f"trainer.val_check_interval: {trainer.val_check_interval} is a share of an epoch, and a streaming "
+                "run has none: validate every N steps with an int (and check_val_every_n_epoch: null)"
+            )
+        assert self._streams is not None
+        rank, world = self.data_parallel_rank()
+        fns = [self.tokenize_fn(spec) for spec in self.sources]
+        workers = self.tokenize_workers if self.tokenize_workers is not None else default_stream_workers()
+        packs = StreamingPacks(
+            self._streams, fns, self.pack_max_length, self.packing, self.overlong, self.seed, rank, world,
+            self.stream_window, workers,
+        )  # fmt: skip
+        settings = stream_settings(packs, tokenizer_fingerprint(self.load_tokenizer()))
+        pin = bool(self.loader_kwargs()["pin_memory"])
+        loader = StreamingLoader(packs, self.collator(), self.micro_batches_per_step, settings, pin_memory=pin)
+        previous = self._train_loader
+        if isinstance(previous, StreamingLoader):  # a loader requested again: go on where the last one stands
+            loader.seek(previous.consumed_samples, previous.position)
+            previous.close()
+        else:
+            loader.seek(self._consumed_samples)
+            if self._stream_state:
+                loader.load_state_dict(self._stream_state)
+        self._train_loader = loader  # type: ignore[assignment]
+        return loader
+
     def _on_cuda(self) -> bool:
         trainer = self.trainer
         if trainer is None:
@@ -545,25 +746,18 @@ class XTLDataModule(pl.LightningDataModule):
         return cache
 
     def _build_cache(self, spec: SourceSpec, resolved: SourceSpec) -> TokenizedCache:
-        tokenizer = self.load_tokenizer()
-        source = open_source(resolved, hf_cache_dir=self.cache_dir / "hf", hash_memo=self._hash_memo)
+        source, fn = self.cache_inputs(spec)
         kind = "vlm_chat" if spec.kind == "chat" and self.model_reads_images else spec.kind
-        fn = build_tokenize_fn(
-            kind,
-            tokenizer,
-            template=self.template,
-            text_key=spec.text_key,
-            messages_key=spec.messages_key,
-            chunk_size=spec.chunk_size,
-            chunk_overlap=spec.chunk_overlap,
-            template_kwargs=self.template_kwargs,
-            eos_token=self.pretrain_eos_token,
-            image_processor=self.image_processor,
-            bad_rows=spec.bad_rows,
-            margin_key=spec.margin_key,
-            images=self.model_reads_images,
-        )
-        cache = build_cache(source, fn, self.cache_dir, num_proc=self.tokenize_workers, progress=self.progress)
+        shard = self.cache_shard()
+        if shard is None:
+            cache = build_cache(source, fn, self.cache_dir, num_proc=self.tokenize_workers, progress=self.progress)
+        else:
+            hint = (
+                f"node i builds part i/{shard[1]} in prepare_data (data.shard_cache_build): did one fail? Is "
+                f"data.cache_dir ({self.cache_dir}) on storage every node sees? (with a cache_dir per node, set "
+                "data.shard_cache_build: false)"
+            )
+            cache = wait_for_cache(source, fn, self.cache_dir, shard[1], hint=hint)
         self._open_sources[cache.directory] = source
         if kind in PAIR_KINDS:
             dropped = dropped_rows(cache)  # also checks that the entry holds whole pairs
@@ -719,6 +913,13 @@ def packing_summary(
             f"({report['truncated_tokens']} tokens cut)"
         )
     return line
+
+
+_NO_STREAM = {
+    PREFERENCE_KIND: " (pairs are packed whole over the set; not built for streaming)",
+    UNPAIRED_KIND: " (its mismatched pairs are drawn over the set; not built for streaming)",
+    PROMPT_KIND: " (prompt rows are drawn by the RL module, never tokenized here)",
+}
 
 
 def _is_prompt_set(specs: list[SourceSpec]) -> bool:

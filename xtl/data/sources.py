@@ -61,6 +61,10 @@ class SourceSpec:
         margin_key (str | None): ``kind="preference"`` only, for reward modelling: the row field holding the pair's
             margin (a number; the pair's loss is ``-log sigmoid(r_chosen - r_rejected - margin)``, TRL's ``margin``
             column). A row without it is a bad row (``bad_rows``).
+        streaming (bool): Read the rows on the fly instead of tokenizing the source into the cache
+            (:mod:`xtl.data.streaming`): ``path`` may then be a glob, a folder or an fsspec URL of shards (JSONL,
+            optionally compressed, or ``json`` / ``parquet`` through ``datasets`` streaming). Training sources only
+            (all of them or none); ``kind`` ``chat`` or ``text``.
     """
 
     path: str
@@ -77,6 +81,7 @@ class SourceSpec:
     match: str | None = None
     data_source: str | None = None
     margin_key: str | None = None
+    streaming: bool = False
 
     @property
     def display_name(self) -> str:

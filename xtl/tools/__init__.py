@@ -20,6 +20,7 @@ _MODULES = {
     "generate": "xtl.tools.generate",
     "check-parity": "xtl.tools.check_parity",
     "eval": "xtl.tools.eval",
+    "build-cache": "xtl.tools.build_cache",
 }
 
 
