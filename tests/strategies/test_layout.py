@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import csv
+import json
 import os
+import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -28,6 +32,13 @@ HSDP = (
 )
 # fp32, the same packs: only the order of the gradient sums can differ between the launches
 RTOL = 1e-6
+# a checkpoint every step into the run folder, the CSV log flushed every step (a killed node keeps what it logged)
+EVERY_STEP = (
+    "trainer:\n  logger:\n    - class_path: lightning.pytorch.loggers.CSVLogger\n"
+    "      init_args: {save_dir: ., name: logs, flush_logs_every_n_steps: 1}\n  callbacks+:\n"
+    "    - class_path: xtl.callbacks.TrainingCheckpoint\n"
+    "      init_args: {dirpath: checkpoints, save_last: true, every_n_train_steps: 1, save_top_k: -1}\n"
+)
 
 
 class TestParallelLayout:
@@ -147,6 +158,84 @@ class TestTwoNodes:
             env = {**_env(), **slurm, "SLURM_PROCID": str(node), "SLURM_NODEID": str(node)}
             launches.append(([sys.executable, "-m", "xtl", *common, "--trainer.num_nodes", "2"], env))
         _assert_same_losses(tmp_path, launches, expected)
+
+    def test_a_killed_node_is_started_again_and_the_run_resumes_by_itself(self, tmp_path, one_node):
+        """Node 1's torchrun agent and its worker die by SIGKILL when step 2 starts (after the step-2 checkpoint);
+        node 0's agent restarts its worker (``--max-restarts 1``) and waits in the rendezvous; node 1 is started
+        again, as SLURM would requeue it. Both resume from the newest checkpoint (``--ckpt_path auto``: the restart
+        counts differ, 1 on node 0 and 0 on the fresh node 1) and the losses are the uninterrupted run's.
+
+        c10d rendezvous with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (each round a store of its own): on torch 2.13
+        the static rendezvous (``--master-addr``) has no re-rendezvous, so the fresh node's worker waits for the
+        ranks of attempt 0 while node 0's waits for those of attempt 1 (a hang), and c10d sharing its store with
+        the workers fails the second round (keep-alive and role_info timeouts). Node 0 starts first and hosts the
+        rendezvous store: the node that hosts it must survive."""
+        common, expected = one_node
+        (tmp_path / "every_step.yaml").write_text(EVERY_STEP)
+        shared = tmp_path / "shared"  # the run folder every node sees
+        args = [*common, "--config", str(tmp_path / "every_step.yaml"), "--trainer.num_nodes", "2"]
+        args += ["--trainer.devices", "1", "--trainer.default_root_dir", str(shared), "--ckpt_path", "auto"]
+        kill = {"class_path": "tests.cli.kill_rank.KillRankOnce", "init_args": {"step": 2, "rank": None}}
+        kill["init_args"].update(node=True, marker=str(tmp_path / "killed"))
+        port = _free_port()
+        launch = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1"]
+        launch += ["--max-restarts", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}"]
+        launch += ["--rdzv-id", "two-nodes", "-m", "xtl", *args]
+        env = {**_env(), "PYTHONPATH": str(ROOT), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+        env = {k: v for k, v in env.items() if k not in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")}
+        names = ("node0", "node1", "node1_again")
+        agents: list[subprocess.Popen] = []
+
+        def start(name: str, *extra: str) -> subprocess.Popen:
+            log = (tmp_path / f"{name}.txt").open("w")
+            agent = subprocess.Popen([*launch, *extra], env=env, stdout=log, stderr=subprocess.STDOUT)
+            agents.append(agent)
+            return agent
+
+        try:
+            node0 = start("node0")
+            _wait_for_listener(port, timeout=120)  # node 0's agent hosts the rendezvous
+            assert start("node1", f"--trainer.callbacks+={json.dumps(kill)}").wait(timeout=300) == -signal.SIGKILL
+            assert (tmp_path / "killed").is_file(), "node 1 died, but not by the kill at step 2"
+            again = start("node1_again", f"--trainer.callbacks+={json.dumps(kill)}")
+            codes = [again.wait(timeout=300), node0.wait(timeout=120)]
+        finally:
+            _stop(agents)
+        logs = "".join((tmp_path / f"{n}.txt").read_text()[-3000:] for n in names)
+        assert codes == [0, 0], logs
+        assert f"xtl: resuming from {shared / 'checkpoints/last.ckpt'} (step 2)" in logs
+        versions = sorted(shared.glob("logs/version_*/metrics.csv"), key=lambda p: int(p.parent.name[8:]))
+        first, resumed = (_read_versions(m) for m in versions)
+        assert (sorted(first), sorted(resumed)) == ([0, 1], [2])
+        for step, loss in {**first, **resumed}.items():
+            assert float(loss) == pytest.approx(float(expected[step]), rel=RTOL), step
+
+
+def _read_versions(metrics: Path) -> dict[int, str]:
+    return {int(r["step"]): r["train/loss"] for r in csv.DictReader(metrics.open()) if r.get("train/loss")}
+
+
+def _wait_for_listener(port: int, timeout: float) -> None:
+    """Return once something listens on ``127.0.0.1:port``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with socket.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.2)
+    raise TimeoutError(f"nothing listens on port {port} after {timeout} s")
+
+
+def _stop(agents: list[subprocess.Popen]) -> None:
+    """SIGTERM the torchrun agents still running (each stops its workers), SIGKILL what is left after 20 s."""
+    for agent in agents:
+        if agent.poll() is None:
+            agent.terminate()
+    for agent in agents:
+        try:
+            agent.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            agent.kill()
 
 
 def _assert_same_losses(tmp_path: Path, launches: list[tuple[list[str], dict]], expected: dict[int, str]) -> None:
