@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -143,3 +144,19 @@ class TestBadConfig:
         config.write_text("model:\n  init_args:\n    model:\n      model_type: qwen3\n      hiden_size: 3\n")
         with pytest.raises(Exception, match="hiden_size"):
             main(["fit", "--config", str(ROOT / "configs/tiny_sft.yaml"), "--config", str(config)])
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+class TestForeignStrategy:
+    def test_two_processes_under_lightnings_ddp_are_refused_before_the_first_step(self, tmp_path, data_cache):
+        """``--trainer.devices 2`` with the default strategy (Lightning's DDP) gave every rank the whole data layout
+        of one process (rank 1 of 1: a ValueError traceback from the sampler); it is refused in one line."""
+        command = [sys.executable, "-m", "xtl", "fit", "--config", str(ROOT / "configs/tiny_sft.yaml")]
+        command += ["--trainer.devices", "2", "--trainer.max_steps", "2", "--trainer.enable_progress_bar", "false"]
+        command += ["--trainer.default_root_dir", str(tmp_path / "run"), "--data.cache_dir", str(data_cache)]
+        command += ["--model.init_args.model.num_hidden_layers", "1"]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+        _assert_short(proc.returncode, proc.stderr, "trainer.strategy: DDPStrategy runs 2 processes")
+        assert not (tmp_path / "run" / "checkpoints").exists()

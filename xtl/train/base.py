@@ -209,6 +209,12 @@ class LanguageModule(pl.LightningModule, ContextParallelFeature, DataConsumer):
                 f"{self.model_config.vocab_size}; set model vocab_size >= {size} (or use a matching tokenizer)"
             )
         layout = self.parallelizer.layout
+        if layout.world_size != self._trainer.world_size:  # several processes under a strategy that is not xtl's
+            raise ConfigError(
+                f"trainer.strategy: {type(self._trainer.strategy).__name__} runs {self._trainer.world_size} "
+                "processes, but xtl trains several processes only under its own strategies; set trainer.strategy "
+                "to xtl.strategies.FSDPStrategy (data parallel, sharded; callbacks and recipes in docs/configs.md)"
+            )
         datamodule.use_data_parallel(layout.data_rank(self.global_rank), layout.dp_size)
 
     def context_parallel_refusal(self, stage: str) -> Refusal | None:
