@@ -199,6 +199,13 @@ def _check_feature_acts(cell: Cell, result: dict, plain: dict) -> None:
         assert result["losses"]["1"] != plain["losses"]["1"], (result["losses"], plain["losses"])
         if name == "fused_muon":  # each fused weight is orthogonalized per HF matrix
             assert probe["fused"] > 0 and optimizer["split_matrices"] > 0, (probe["fused"], optimizer)
+    elif name == "streaming":  # the step batches came from the stream
+        assert probe["loader"] == "StreamingLoader" and plain["probe"]["loader"] != "StreamingLoader", probe["loader"]
+    elif name == "remote_checkpoint":  # committed in the URL folder (keep_last 1: one periodic and last), no staging
+        files = probe["files"]
+        manifests = sorted(f for f in files if f.startswith("remote/") and f.endswith("/manifest.json"))
+        assert len(manifests) == 2 and any(f.startswith("remote/last.ckpt/") for f in manifests), manifests
+        assert not [f for f in files if f.startswith(".staging/") and ".ckpt" in f], files
     elif name == "hf_export":
         files = set(probe["files"])
         assert "hf/final/config.json" in files and any(f.endswith(".safetensors") for f in files), files

@@ -34,6 +34,8 @@ _IMAGE_SOURCES = (
     ("{path: tiny:kto_train.jsonl, kind: unpaired_preference}",
      "{path: 'tiny:../tiny_vlm/kto_train.jsonl', kind: unpaired_preference}"),
     ("{path: tiny:sft_train.jsonl, kind: prompt}", "{path: 'tiny:../tiny_vlm/train.jsonl', kind: prompt}"),
+    ("{path: tiny:sft_train.jsonl, kind: chat, streaming: true}",
+     "{path: 'tiny:../tiny_vlm/train.jsonl', kind: chat, streaming: true}"),
 )  # fmt: skip
 _MROPE = {
     "rope_type": "default", "rope_theta": 10000.0, "params": {"mrope_section": [16, 8, 8], "mrope_interleaved": True}
@@ -350,6 +352,23 @@ FEATURES = (
         "multi-token prediction, 1 depth (`model_overrides: {mtp_layers: 1}`; `train/loss` stays the next-token "
         "loss, logged with `train/mtp_loss_1`)",
     ),
+    Feature(
+        "streaming",
+        (),
+        "data:\n  sources: [{path: tiny:sft_train.jsonl, kind: chat, streaming: true}]\n  stream_window: 512\n",
+        "close",
+        "streaming training data (`streaming: true`): rows read from this rank's share and tokenized as they are "
+        "needed, packed best-fit within 512-row windows",
+    ),
+    Feature(
+        "remote_checkpoint",
+        (),
+        "trainer:\n  callbacks+:\n    - class_path: xtl.callbacks.TrainingCheckpoint\n      init_args: {dirpath: "
+        "'file://{run_dir}/remote', save_last: true, every_n_train_steps: 1, save_top_k: -1, keep_last: 1}\n",
+        "bitwise",
+        "checkpoints to an fsspec URL (`file://` in another folder here): staged, uploaded, committed by a manifest "
+        "written last, the staging copy removed; retention `keep_last: 1`",
+    ),
 )
 
 
@@ -424,6 +443,11 @@ _VLM_REWARD = Refused(
     "transformers has no sequence-classification class for Qwen3-VL, so the trained reward model could not be "
     "loaded by anything but xtl",
 )
+_VLM_STREAMING = Refused(
+    "streaming rows with images is not supported",
+    False,
+    "images are read through the cache's image index, which a stream does not build; image data is cached",
+)
 # (family, feature, strategy; each may be "*") -> the refusal (the first match)
 REFUSED: dict[tuple[str, str, str], Refused] = {
     # the strategy refuses what does not run under context parallelism before any callback's own setup
@@ -443,6 +467,7 @@ REFUSED: dict[tuple[str, str, str], Refused] = {
         "the teacher's scoring pass is not split over context-parallel shares yet",
     ),
     **{(f, "mtp", "*"): _NO_MTP for f in ("dense", "moe", "sinks", "vlm", "vlm_moe")},
+    **{(f, "streaming", "*"): _VLM_STREAMING for f in ("vlm", "vlm_moe")},
 }
 
 
@@ -493,6 +518,7 @@ class Cell:
             text = feature.inline
             for source, replacement in family.sources:
                 text = text.replace(source, replacement)
+            text = text.replace("{run_dir}", str(run_dir))
             inline.write_text(text)
             configs += ["--config", str(inline)]
         return configs

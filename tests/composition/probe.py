@@ -59,6 +59,7 @@ class Probe(pl.Callback):
             "reference": _reference(pl_module, self.reference_start),
             "head_outputs": model.text_model().lm_head.weight.shape[0],
             "on_policy_steps": getattr(pl_module, "_on_policy_steps", None),
+            "loader": type(trainer.train_dataloader).__name__,
         }
         if trainer.is_global_zero:
             atomic_write_bytes(root / "probe.json", json.dumps(record).encode())
