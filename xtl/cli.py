@@ -134,6 +134,27 @@ class XTLCLI(LightningCLI):
         return kwargs
 
 
+class ParseOnlyCLI(XTLCLI):
+    """The config a command line would run, parsed by xtl's parser and nothing more: no seed set, no hook, no
+    class instantiated (``ParseOnlyCLI(args=[...], run=False).config``; for tools that read a training config)."""
+
+    def parse_arguments(self, parser: XTLArgumentParser, args: Any) -> None:
+        """Parse ``args`` (without LightningCLI's warning about ``sys.argv``)."""
+        self.config = parser.parse_args(args)
+
+    def before_instantiate_classes(self) -> None:
+        """Nothing: the run is not laid out."""
+
+    def instantiate_classes(self) -> None:
+        """Nothing: no class is built."""
+
+    def after_instantiate_classes(self) -> None:
+        """Nothing."""
+
+    def _set_seed(self) -> None:  # no global side effects
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run ``xtl fit|validate|test|predict ...`` (``argv``: the arguments after ``xtl``, default ``sys.argv[1:]``).
 

@@ -173,21 +173,7 @@ class JsonlSource:
         self._index()
         assert self._starts is not None and self._ends is not None
         raw = self._buffer()[int(self._starts[index]) : int(self._ends[index])]
-        try:
-            obj = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            reason = exc.msg if isinstance(exc, json.JSONDecodeError) else "invalid UTF-8"
-            column = f", column {exc.colno}" if isinstance(exc, json.JSONDecodeError) else ""
-            raise DataError(
-                f"{self.location(index)}: malformed JSON ({reason}{column}); every line of a JSONL file must be one "
-                "complete JSON object: fix or delete this line"
-            ) from None
-        if not isinstance(obj, dict):
-            raise DataError(
-                f"{self.location(index)}: expected a JSON object per line, got {type(obj).__name__}; wrap the record "
-                'as {"text": ...} or {"messages": [...]}'
-            )
-        return obj
+        return parse_jsonl_row(raw, self.location(index))
 
     def location(self, index: int) -> str:
         """``file:line`` (1-based line number) of row ``index``.
@@ -320,6 +306,32 @@ class HFSource:
             str: The location.
         """
         return f"{self.path}[row {index}]"
+
+
+def parse_jsonl_row(raw: bytes | str | dict[str, Any], location: str) -> dict[str, Any]:
+    """One JSONL line (``location``: its ``file:line`` for errors) as a dict; a dict (a ``datasets`` row) passes
+    through.
+
+    Raises:
+        DataError: Malformed JSON, invalid UTF-8, or a value that is not an object.
+    """
+    if isinstance(raw, dict):
+        return raw
+    try:
+        obj = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        reason = exc.msg if isinstance(exc, json.JSONDecodeError) else "invalid UTF-8"
+        column = f", column {exc.colno}" if isinstance(exc, json.JSONDecodeError) else ""
+        raise DataError(
+            f"{location}: malformed JSON ({reason}{column}); every line of a JSONL file must be one complete JSON "
+            "object: fix or delete this line"
+        ) from None
+    if not isinstance(obj, dict):
+        raise DataError(
+            f"{location}: expected a JSON object per line, got {type(obj).__name__}; wrap the record as "
+            '{"text": ...} or {"messages": [...]}'
+        )
+    return obj
 
 
 def open_source(

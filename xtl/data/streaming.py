@@ -41,13 +41,13 @@ from xtl.data.collate import MicroBatch, StepCollator
 from xtl.data.dataset import MixedDataset
 from xtl.data.item import DataError
 from xtl.data.packing import OverlongPolicy, Pack, PackedDataset, best_fit_pack, hard_pack
+from xtl.data.sources import parse_jsonl_row
 from xtl.data.streaming_source import (
     Row,
     SourceReader,
     StreamCursor,
     StreamSource,
     mix_choices,
-    parse_jsonl_row,
 )
 from xtl.data.tokenize import TokenizeFn
 

@@ -20,7 +20,6 @@ shard and skips ``row`` raw rows without parsing them. Several sources are mixed
 from __future__ import annotations
 
 import glob
-import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -133,8 +132,8 @@ class StreamSource:
     def read(self, piece: Piece, start: int = 0) -> Iterator[tuple[int, Row, str]]:
         """The rows of ``piece`` from raw row ``start`` on: ``(raw row index, row, location)``.
 
-        JSONL rows are the raw line bytes (blank lines are not rows), parsed by :func:`parse_jsonl_row` in the
-        tokenize worker; ``datasets`` rows are dicts.
+        JSONL rows are the raw line bytes (blank lines are not rows), parsed by
+        :func:`xtl.data.sources.parse_jsonl_row` in the tokenize worker; ``datasets`` rows are dicts.
         """
         shard = self.shards[piece.shard]
         if self.formats[piece.shard] == "jsonl":
@@ -225,27 +224,6 @@ def mix_choices(weights: Sequence[float], seed: int, rank: int, start: int, coun
         out[n - start : n - start + take] = choices[within : within + take]
         n += take
     return out
-
-
-def parse_jsonl_row(raw: Row, location: str) -> dict[str, Any]:
-    """A JSONL line as the cached path's ``JsonlSource.row`` parses it (same errors); a dict passes through."""
-    if isinstance(raw, dict):
-        return raw
-    try:
-        obj = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        reason = exc.msg if isinstance(exc, json.JSONDecodeError) else "invalid UTF-8"
-        column = f", column {exc.colno}" if isinstance(exc, json.JSONDecodeError) else ""
-        raise DataError(
-            f"{location}: malformed JSON ({reason}{column}); every line of a JSONL file must be one complete JSON "
-            "object: fix or delete this line"
-        ) from None
-    if not isinstance(obj, dict):
-        raise DataError(
-            f"{location}: expected a JSON object per line, got {type(obj).__name__}; wrap the record as "
-            '{"text": ...} or {"messages": [...]}'
-        )
-    return obj
 
 
 def list_shards(paths: str | Sequence[str], format: str = "auto", key: str = "data.sources") -> list[str]:

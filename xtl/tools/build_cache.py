@@ -101,27 +101,11 @@ def data_module_from_config(args: list[str]) -> Any:
     """
     from jsonargparse import Namespace
 
-    from xtl.cli import XTLCLI, XTLArgumentParser, user_error_message
-
-    class ParseOnly(XTLCLI):
-        def parse_arguments(self, parser: XTLArgumentParser, args: Any) -> None:
-            self.config = parser.parse_args(args)  # without LightningCLI's warning about sys.argv
-
-        def _set_seed(self) -> None:  # no global side effects
-            pass
-
-        def before_instantiate_classes(self) -> None:
-            pass
-
-        def instantiate_classes(self) -> None:
-            pass
-
-        def after_instantiate_classes(self) -> None:
-            pass
+    from xtl.cli import ParseOnlyCLI, XTLArgumentParser, user_error_message
 
     XTLArgumentParser.argv = args
     try:
-        cli = ParseOnly(args=args, run=False)
+        cli = ParseOnlyCLI(args=args, run=False)
     except SystemExit as err:  # the parser said what is wrong (one line on stderr)
         raise _Exit(err.code if isinstance(err.code, int) else EXIT_USAGE) from None
     parts = Namespace(model=cli.config.model, data=cli.config.data)

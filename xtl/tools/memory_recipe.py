@@ -177,32 +177,17 @@ _DTYPE_BYTES = {"bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2, "f
 
 def _merged_config(files: list[str]) -> dict[str, Any]:
     """The config ``xtl fit --config f1 --config f2 ...`` runs, parsed by xtl's CLI parser, nothing instantiated."""
-    from xtl.cli import XTLCLI, XTLArgumentParser  # imports Lightning: only with --config
+    from xtl.cli import ParseOnlyCLI, XTLArgumentParser  # imports Lightning: only with --config
 
     class RaisingParser(XTLArgumentParser):
         def error(self, message: str, ex: Exception | None = None) -> None:
             first = next((line.strip() for line in str(message).splitlines() if line.strip()), "invalid config")
             raise ToolInputError(f"--config {' '.join(files)}: {first}")
 
-    class ParseOnly(XTLCLI):
+    class ParseOnly(ParseOnlyCLI):
         def init_parser(self, **kwargs: Any) -> XTLArgumentParser:
             self.parser_class = RaisingParser
             return super().init_parser(**kwargs)
-
-        def parse_arguments(self, parser: XTLArgumentParser, args: Any) -> None:
-            self.config = parser.parse_args(args)  # without LightningCLI's warning about sys.argv
-
-        def _set_seed(self) -> None:  # no global side effects
-            pass
-
-        def before_instantiate_classes(self) -> None:
-            pass
-
-        def instantiate_classes(self) -> None:
-            pass
-
-        def after_instantiate_classes(self) -> None:
-            pass
 
     cli = ParseOnly(args=[arg for name in files for arg in ("--config", name)], run=False)
     return cli.config.as_dict()
