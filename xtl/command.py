@@ -9,7 +9,7 @@ Examples::
     xtl memory qwen3-8b --gpus-per-node 8 --seq-len 32768
     xtl convert to-fp8 --help
     xtl eval --help                                                  # lm-eval tasks on a checkpoint
-    xtl build-cache --config configs/tiny_sft.yaml --shard 0/4       # tokenize ahead of training, sharded
+    xtl build-cache --config configs/tiny_sft.yaml
 """
 
 from __future__ import annotations
