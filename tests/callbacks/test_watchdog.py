@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import threading
@@ -24,7 +25,7 @@ from tests.inprocess import run_in_process
 from tests.train.test_step import _free_port
 from xtl.callbacks import RankWatchdog
 from xtl.callbacks._heartbeats import EXITED, FAILED, FINISHED, Beat, Progress, RankView, diagnose, store_gone
-from xtl.callbacks._watchdog_thread import PREFIX, Watch
+from xtl.callbacks._watchdog_thread import PREFIX, StoreGone, Watch
 from xtl.callbacks.watchdog import EXIT_CODE
 from xtl.errors import ConfigError
 
@@ -225,6 +226,28 @@ class TestWatch:
             watch.end(FINISHED)
         assert not any(w.is_alive() for w in watches.watches) and time.monotonic() - start < 2.0
         assert watches.verdicts == {}
+
+    def test_the_sentinel_is_watched_past_fd_setsize(self):
+        """A long-lived process (a notebook, the matrix runner) holds descriptors past 1024, where
+        ``select.select`` raises ``ValueError``: an open sentinel passes, a closed server's is noticed."""
+        server = socket.create_server(("127.0.0.1", 0))
+        client = socket.create_connection(server.getsockname())
+        peer, _ = server.accept()
+        high = os.dup2(client.fileno(), 1500)
+        sentinel = socket.socket(fileno=high)
+        sentinel.setblocking(False)
+        watch = Watch.__new__(Watch)  # only the sentinel check: no store, no thread
+        watch._sentinel, watch.address = sentinel, None
+        try:
+            watch._check_sentinel()  # open, nothing to read
+            assert watch._sentinel is sentinel
+            peer.close()
+            server.close()
+            with pytest.raises(StoreGone):  # end-of-file, and no server to reconnect to
+                watch._check_sentinel()
+        finally:
+            for sock in (client, sentinel):
+                sock.close()
 
 
 class TestPhases:

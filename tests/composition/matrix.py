@@ -355,10 +355,11 @@ FEATURES = (
     Feature(
         "streaming",
         (),
-        "data:\n  sources: [{path: tiny:sft_train.jsonl, kind: chat, streaming: true}]\n  stream_window: 512\n",
+        "data:\n  sources: [{path: tiny:sft_train.jsonl, kind: chat, streaming: true}]\n  stream_window: 512\n"
+        "  tokenize_workers: 0\n",
         "close",
         "streaming training data (`streaming: true`): rows read from this rank's share and tokenized as they are "
-        "needed, packed best-fit within 512-row windows",
+        "needed, packed best-fit within 512-row windows (here in the training process: `tokenize_workers: 0`)",
     ),
     Feature(
         "remote_checkpoint",

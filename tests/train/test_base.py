@@ -333,6 +333,6 @@ class TestDataRanks:
         strategy.layout = ParallelLayout(dp_shard=2, cp=2)
         datamodule = make_datamodule()
         module = LanguageModule(TINY_MODEL)
-        module._trainer = SimpleNamespace(strategy=strategy, datamodule=datamodule, global_rank=3)
+        module._trainer = SimpleNamespace(strategy=strategy, datamodule=datamodule, global_rank=3, world_size=4)
         module.setup("fit")
         assert datamodule.data_parallel_rank() == (1, 2)

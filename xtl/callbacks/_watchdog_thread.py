@@ -217,7 +217,11 @@ class Watch(threading.Thread):
 
     def _check_sentinel(self) -> None:
         """Raise :class:`StoreGone` when the store's server closed the sentinel and refuses a new connection."""
-        if self._sentinel is None or not select.select([self._sentinel], [], [], 0)[0]:
+        if self._sentinel is None:
+            return
+        poll = select.poll()  # not select.select: it refuses descriptors past FD_SETSIZE (a long-lived process)
+        poll.register(self._sentinel, select.POLLIN | select.POLLHUP | select.POLLERR)
+        if not poll.poll(0):
             return
         with contextlib.suppress(OSError):
             if self._sentinel.recv(1, socket.MSG_PEEK):
