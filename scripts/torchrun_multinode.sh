@@ -50,7 +50,8 @@ case "$RDZV" in
 esac
 
 fit=("$@")
-if [[ -n "$CKPT_PATH" ]] && ! printf '%s\n' "$@" | grep -q -- '^--ckpt_path'; then
+# (no `grep -q` in a pipe: it exits at the first match, and pipefail turns printf's SIGPIPE into a failure)
+if [[ -n "$CKPT_PATH" ]] && ! printf '%s\n' "$@" | grep -- '^--ckpt_path' >/dev/null; then
   fit+=(--ckpt_path "$CKPT_PATH")
 fi
 
