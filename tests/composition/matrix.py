@@ -195,7 +195,15 @@ FEATURES = (
         "compile of the whole training forward (`scope: model`, `aot_eager` here; under FSDP each layer call is its "
         "own frame between FSDP's hooks)",
     ),
-    Feature("fp8", ("fp8.yaml",), "", "close", "fp8 tensorwise"),
+    Feature(
+        "fp8",
+        (),
+        "trainer:\n  callbacks+:\n    - class_path: xtl.callbacks.FP8Training\n"
+        "      init_args: {recipe: tensorwise, emulate: true}\n",
+        "close",
+        "fp8 tensorwise (`emulate: true` here: this CPU's `_scaled_mm` is a reference kernel ~100x slower; "
+        "`tests/callbacks/test_fp8.py` runs the kernel and `callbacks/fp8.yaml`)",
+    ),
     Feature("lora", ("lora.yaml",), "", "first_step", "LoRA"),
     Feature("qlora", ("lora.yaml", "qlora.yaml"), "", "close", "QLoRA (NF4 base)"),
     Feature("parity_check", ("parity_check.yaml",), "", "bitwise", "runtime HF parity check"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from fnmatch import fnmatchcase
 from typing import Literal
@@ -49,27 +50,43 @@ class FP8Training(pl.Callback, ModelTransform):
         skip: Module names to keep in high precision, as ``fnmatch`` patterns on the full name (e.g.
             ``layers.0.*``, ``*.down_proj``); each must match at least one linear layer of the decoder layers.
         fsdp_float8_all_gather: Allow fp8 all-gather (used only with ``tensorwise`` under FSDP2 on CUDA).
+        emulate: ``tensorwise`` only: torchao's emulated GEMM (the same fp8 casts and scales, the matmul in high
+            precision) instead of ``torch._scaled_mm``, for hardware without fp8 GEMMs, where ``_scaled_mm`` runs a
+            slow reference kernel (a CPU without fp8 instructions: ~100x slower than emulation). Not bitwise equal
+            to the kernel (the accumulation differs: ~1e-3 relative in bf16). (torchao's rowwise emulation departs
+            from its kernel by ~10% in the weight gradient, so ``rowwise`` refuses it.)
 
     Attributes:
         converted: Names of the linear layers made fp8 by :meth:`transform_model`.
         skipped: Name -> reason for the decoder-layer linear layers and routed experts kept in high precision.
 
     Raises:
-        ValueError: An unknown ``recipe`` or a bad ``skip``, naming the key.
+        ValueError: An unknown ``recipe``, a bad ``skip`` or ``emulate`` with another recipe than ``tensorwise``,
+            naming the key.
     """
 
     transform_stage = TransformStage.MODEL
 
     def __init__(
-        self, recipe: Fp8Recipe = "tensorwise", skip: Sequence[str] = (), fsdp_float8_all_gather: bool = True
+        self,
+        recipe: Fp8Recipe = "tensorwise",
+        skip: Sequence[str] = (),
+        fsdp_float8_all_gather: bool = True,
+        emulate: bool = False,
     ) -> None:
         if recipe not in RECIPES:
             raise ValueError(f"fp8 recipe must be one of {RECIPES}; got {recipe!r}")
         if isinstance(skip, str) or not all(isinstance(p, str) and p for p in skip):
             raise ValueError(f"fp8 skip must be a list of module-name patterns; got {skip!r}")
+        if emulate and recipe != "tensorwise":
+            raise ValueError(
+                f"fp8 emulate applies to the tensorwise recipe only (recipe: {recipe}; blockwise runs its own "
+                "reference path where the hardware lacks fp8 kernels): remove emulate"
+            )
         self.recipe = recipe
         self.skip = list(skip)
         self.fsdp_float8_all_gather = fsdp_float8_all_gather
+        self.emulate = emulate
         self.converted: list[str] = []
         self.skipped: dict[str, str] = {}
         self._fsdp_on_cuda = False
@@ -90,7 +107,8 @@ class FP8Training(pl.Callback, ModelTransform):
                 parent, _, child = name.rpartition(".")
                 setattr(model.get_submodule(parent), child, BlockwiseFp8Linear.from_linear(model.get_submodule(name)))
         elif chosen:
-            _torchao_convert(model, self.recipe, set(chosen), self.fsdp_float8_all_gather and self._fsdp_on_cuda)
+            fp8_all_gather = self.fsdp_float8_all_gather and self._fsdp_on_cuda
+            _torchao_convert(model, self.recipe, set(chosen), fp8_all_gather, self.emulate)
         self.converted = chosen
         if not chosen:
             rank_zero_warn(f"fp8 {self.recipe}: no linear layer qualifies; the model trains in high precision")
@@ -189,7 +207,7 @@ def _forward_backward(module: nn.Module, x: torch.Tensor, grad: torch.Tensor) ->
     return {"output": out.detach(), "grad_input": x.grad, "grad_weight": module.weight.grad}
 
 
-def _torchao_convert(model: nn.Module, recipe: str, chosen: set[str], fp8_all_gather: bool) -> None:
+def _torchao_convert(model: nn.Module, recipe: str, chosen: set[str], fp8_all_gather: bool, emulate: bool) -> None:
     try:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     except ImportError as err:
@@ -197,4 +215,5 @@ def _torchao_convert(model: nn.Module, recipe: str, chosen: set[str], fp8_all_ga
     config = Float8LinearConfig.from_recipe_name(recipe)
     if fp8_all_gather and recipe == "tensorwise":
         config = Float8LinearConfig(enable_fsdp_float8_all_gather=True)
+    config = dataclasses.replace(config, emulate=emulate)
     convert_to_float8_training(model, config=config, module_filter_fn=lambda module, fqn: fqn in chosen)
