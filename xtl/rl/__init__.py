@@ -27,6 +27,7 @@ _EXPORTS = {
     "RolloutState": "xtl.rl.judger",
     "SyncJudger": "xtl.rl.judger",
     "RewardModelJudger": "xtl.rl.reward_model_judger",
+    "JudgingError": "xtl.rl.failures",
     "EngineSettings": "xtl.rl.engines",
     "PolicyLossConfig": "xtl.rl.loss",
     "GRPOModule": "xtl.rl.module",

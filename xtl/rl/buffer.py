@@ -3,7 +3,8 @@
 A prompt's ``group_size`` completions form a :class:`Group`. Each sample is in one :class:`SampleState`:
 
 - ``completed``: generated and judged; it can train;
-- ``failed``: its judging raised or timed out (its reward is unknown: the group's advantages leave it out);
+- ``failed``: its judging raised or timed out (its reward is unknown: the group's advantages leave it out; the
+  batch's :class:`ProduceStats` counts the errors, which :mod:`xtl.rl.failures` says on the console);
 - ``filtered``: dynamic sampling dropped its group (every reward equal: no learning signal);
 - ``aborted``: its generation was cut off by the producer (the engine stopped it; with partial rollouts, a
   completion paused at the end of a round, continued in a later one), or its agent crashed or timed out (an agent
@@ -175,6 +176,9 @@ class ProduceStats:
         resumed: Paused completions continued for this batch (partial rollouts).
         partial_groups: Groups left waiting with paused completions (partial rollouts).
         staleness: Per trained sample, how many versions the policy that began it lags the one it trains.
+        judge_sent: Samples sent to the judger for this batch (an environment's return stands in for it on others).
+        judge_errors: Why the judging of this batch's failed samples failed (``state.error``: a judger's exception
+            or time-out) -> how many samples (:mod:`xtl.rl.failures` says them on the console).
         version: The policy version that sampled this batch.
         expired_groups: Leftover groups that expired while this batch was produced (for the trace).
     """
@@ -195,6 +199,8 @@ class ProduceStats:
     resumed: int = 0
     partial_groups: int = 0
     staleness: list[int] = field(default_factory=list)
+    judge_sent: int = 0
+    judge_errors: dict[str, int] = field(default_factory=dict)
     version: int = 0
     expired_groups: list[Group] = field(default_factory=list, repr=False)
 
@@ -371,7 +377,7 @@ def _produce(
         """Judge, shape and filter the finished groups of ``fresh``; keep the others waiting."""
         finished = [g for g in fresh if not g.paused]
         waiting.extend(g for g in fresh if g.paused)
-        _judge(finished, judger, train_step)
+        _judge(finished, judger, train_step, stats)
         if reward_shaping is not None:
             reward_shaping(finished)
         for group in finished:
@@ -540,17 +546,18 @@ def _sample(trajectory: Trajectory) -> Sample:
     )  # fmt: skip
 
 
-def _judge(groups: list[Group], judger: BaseJudger, step: int) -> None:
-    """Score the completed samples that have no reward yet (an environment's return stands)."""
+def _judge(groups: list[Group], judger: BaseJudger, step: int, stats: ProduceStats) -> None:
+    """Score the completed samples that have no reward yet (an environment's return stands); count them and the
+    failures' errors in ``stats``."""
     pending = [(g, s) for g in groups for s in g.samples if s.state == SampleState.COMPLETED and s.reward is None]
     if not pending:
         return
     with trace.current().span("judger.judge", "judge", [s.uid for _, s in pending], step) as span:
-        _judge_pending(pending, judger)
+        _judge_pending(pending, judger, stats)
         span.set(**{f"reward.{s.uid}": s.reward for _, s in pending if s.reward is not None})
 
 
-def _judge_pending(pending: list[tuple[Group, Sample]], judger: BaseJudger) -> None:
+def _judge_pending(pending: list[tuple[Group, Sample]], judger: BaseJudger, stats: ProduceStats) -> None:
     states = [
         RolloutState(
             s.response, g.row.get("answer"), g.row.get("data_source", "default"), g.row.get("prompt"),
@@ -558,9 +565,12 @@ def _judge_pending(pending: list[tuple[Group, Sample]], judger: BaseJudger) -> N
         )
         for g, s in pending
     ]  # fmt: skip
+    stats.judge_sent += len(states)
     for (_, sample), state in zip(pending, judger.judge_sync(states), strict=True):
         if state.status == "failed" or state.reward is None:
             sample.state, sample.error = SampleState.FAILED, state.error
+            reason = state.error or "the judger gave no reward"
+            stats.judge_errors[reason] = stats.judge_errors.get(reason, 0) + 1
         else:
             sample.reward = float(state.reward["score"])
 

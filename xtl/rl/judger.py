@@ -25,20 +25,22 @@ import functools
 import importlib
 import logging
 import re
+import types
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 from xtl.errors import ConfigError
+from xtl.rl.daemon_pool import DaemonThreadPool
 
 JudgerPayload = dict[str, Any]
 JudgerOutput = dict[str, float]
 FAILED = "failed"
+TIMED_OUT = "the judger did not answer within"  # how the error of a state whose judging timed out begins
 SCORING_THREADS = 16  # the threads of SyncJudger's scoring pool (not the event loop's default pool, which
 # asyncio.run waits for on exit: a hung call would hold the caller)
-_POOL: ThreadPoolExecutor | None = None
+_POOL: DaemonThreadPool | None = None
 
 
 @dataclass
@@ -82,13 +84,20 @@ class BaseJudger(ABC):
 
     def judge_sync(self, states: Sequence[RolloutState]) -> list[RolloutState]:
         """:meth:`batch_judge` from synchronous code (a training step), also where an event loop already runs in
-        this thread (a notebook): the judging then runs on an event loop of its own, in a thread."""
+        this thread (a notebook): the judging then runs on an event loop of its own, in a daemon thread (which a hung
+        judging never keeps from exiting)."""
         try:
             asyncio.get_running_loop()
         except RuntimeError:
             return asyncio.run(self.batch_judge(states))
-        with ThreadPoolExecutor(1) as pool:
-            return pool.submit(asyncio.run, self.batch_judge(states)).result()
+        pool = DaemonThreadPool(1, "xtl-judge-loop")
+        judged = pool.submit(asyncio.run, self.batch_judge(states))
+        pool.shutdown(wait=False)  # its thread ends after this call
+        return judged.result()
+
+    def describe(self) -> str:
+        """The judger as messages name it (its class)."""
+        return type(self).__name__
 
     def state_dict(self) -> dict[str, Any]:
         """What resumes the judger exactly (e.g. the state of a random generator it samples with); none here."""
@@ -154,7 +163,8 @@ class Judger(BaseJudger):
 class SyncJudger(Judger):
     """A judger whose score is a plain function of one payload, run in a worker thread of its own pool (a hung call
     costs its sample once the timeout passes and the judging goes on; the thread itself cannot be stopped: it holds
-    one of the pool's :data:`SCORING_THREADS` until the call returns)."""
+    one of the pool's :data:`SCORING_THREADS` until the call returns, a daemon thread that never keeps the process
+    from exiting)."""
 
     @abstractmethod
     def score(self, payload: JudgerPayload) -> float | JudgerOutput:
@@ -311,6 +321,11 @@ class FunctionJudger(SyncJudger):
     def __init__(self, fn: str | Callable[..., float | JudgerOutput], **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.fn = _import_function(fn) if isinstance(fn, str) else fn
+        self.fn_name = fn if isinstance(fn, str) else _function_name(fn)
+
+    def describe(self) -> str:
+        """The class and the function (``FunctionJudger (package.module:function)``)."""
+        return f"{type(self).__name__} ({self.fn_name})"
 
     def preprocess(self, state: RolloutState) -> JudgerPayload:
         return {"response": state.response, "ground_truth": state.ground_truth, "extra": dict(state.extra)}
@@ -319,10 +334,11 @@ class FunctionJudger(SyncJudger):
         return self.fn(payload["response"], payload["ground_truth"], **payload["extra"])
 
 
-def _scoring_pool() -> ThreadPoolExecutor:
+def _scoring_pool() -> DaemonThreadPool:
+    """The scoring threads: daemon threads, which a hung call never keeps from exiting (:mod:`xtl.rl.daemon_pool`)."""
     global _POOL
     if _POOL is None:
-        _POOL = ThreadPoolExecutor(SCORING_THREADS, thread_name_prefix="xtl-judger")
+        _POOL = DaemonThreadPool(SCORING_THREADS, "xtl-judger")
     return _POOL
 
 
@@ -347,7 +363,7 @@ def _parsed_truth(truth: str) -> list[Any]:
 def _fail(state: RolloutState, error: BaseException, timeout_s: float) -> None:
     state.status, state.reward = FAILED, None
     if isinstance(error, TimeoutError):
-        state.error = f"the judger did not answer within {timeout_s:g} s"
+        state.error = f"{TIMED_OUT} {timeout_s:g} s"
     else:
         state.error = f"{type(error).__name__}: {error}"
 
@@ -357,6 +373,13 @@ def _sum_scores(outputs: list[JudgerOutput], judgers: list[Judger]) -> JudgerOut
     for output, judger in zip(outputs, judgers):
         merged.update({f"{type(judger).__name__}/{key}": float(value) for key, value in output.items()})
     return merged
+
+
+def _function_name(fn: Callable[..., Any]) -> str:
+    """``module:qualified name`` of a function, the class of another callable."""
+    if isinstance(fn, types.FunctionType | types.MethodType):
+        return f"{fn.__module__}:{fn.__qualname__}"
+    return f"{type(fn).__module__}:{type(fn).__qualname__} instance"
 
 
 def _import_function(path: str) -> Callable[..., Any]:

@@ -6,15 +6,16 @@ One ``training_step`` is one optimizer step. When no update is pending, the modu
 ``sampling.group_size`` completions each from the rollout engine (:mod:`xtl.rl.engines`; xtl's cached sampler on the
 policy by default) through the agent loop (:mod:`xtl.rl.agent`: one completion per prompt by default; multi-turn tool
 use, environments or black-box agents with ``agent``), judged, shaped (DAPO's overlong penalty), filtered (dynamic
-sampling), and turned into group-relative advantages. Tokens an agent loop appended (tool results, observations) are
-context, masked from the loss. The batch is packed (:mod:`xtl.rl.packing`) and cut into ``updates.mini_batches``
-updates, run ``updates.epochs`` times: that many optimizer steps per rollout batch, each a ``training_step``. The
-policy's log-probabilities of the batch (the *old* log-probabilities of the importance ratio) are computed once: for
-the first update by its own forward, detached (it runs before any optimizer step, on the policy that sampled the batch;
-TRL does the same when its generation and optimizer steps align), for the others when the batch is produced (with the
-reference's when ``objective.beta > 0``, for every update). Pending updates and leftover groups are part of the
-checkpoint, with the sampler's random state and the prompt order, so a resumed run takes exactly the steps the
-uninterrupted one would.
+sampling), and turned into group-relative advantages (a sample whose judging failed gets none: the failures are said on
+the console, and a batch whose judging all failed for one reason stops the run, :mod:`xtl.rl.failures`). Tokens an
+agent loop appended (tool results, observations) are context, masked from the loss. The batch is packed
+(:mod:`xtl.rl.packing`) and cut into ``updates.mini_batches`` updates, run ``updates.epochs`` times: that many
+optimizer steps per rollout batch, each a ``training_step``. The policy's log-probabilities of the batch (the *old*
+log-probabilities of the importance ratio) are computed once: for the first update by its own forward, detached (it
+runs before any optimizer step, on the policy that sampled the batch; TRL does the same when its generation and
+optimizer steps align), for the others when the batch is produced (with the reference's when ``objective.beta > 0``,
+for every update). Pending updates and leftover groups are part of the checkpoint, with the sampler's random state and
+the prompt order, so a resumed run takes exactly the steps the uninterrupted one would.
 
 A policy *version* is the weights after a number of rollout batches' updates; a group records the version that
 sampled it, and one more than ``rollout.max_staleness`` versions older than the batch it would train in expires.
@@ -33,6 +34,7 @@ pack, vision tokens included).
 from __future__ import annotations
 
 import math
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import replace
@@ -60,7 +62,8 @@ from xtl.rl.buffer import (
     produce_batch,
 )
 from xtl.rl.engines import EngineSettings, start_engine
-from xtl.rl.judger import BaseJudger, MathJudger, RolloutState
+from xtl.rl.failures import JudgingFailures
+from xtl.rl.judger import FAILED, BaseJudger, MathJudger, RolloutState
 from xtl.rl.loss import POLICY_STATS, PolicyLossConfig, group_advantages, overlong_penalty, policy_loss, policy_metrics
 from xtl.rl.packing import RLMicroBatch, cut_micro_batches, split_round_robin
 from xtl.rl.producer import AsyncProducer, Produced
@@ -170,7 +173,9 @@ class GRPOModule(LanguageModule):
         self._pending: list[list[RLMicroBatch]] = []
         self._rollout_metrics: dict[str, float] = {}
         self._engine_state: dict[str, Any] = {}
-        self._eval: dict[int, list[float]] = {}
+        self._eval: dict[int, list[float]] = {}  # per held-out set: reward sum, exact matches, samples, failed
+        self._eval_errors: dict[str, int] = {}  # why held-out samples failed judging -> how many
+        self._failures = JudgingFailures(self.judger, self._say)
         self._stop: tuple[Any, tuple[int, ...]] | None = None  # (tokenizer, template) -> its stop tokens
         self._chat: tuple[Any, ChatFormat] | None = None  # (tokenizer, template) -> the agent loop's chat format
         self._agent_state: dict[str, Any] = {}
@@ -339,7 +344,8 @@ class GRPOModule(LanguageModule):
     # ---- evaluation ------------------------------------------------------------------------------------------
 
     def validation_step(self, batch: list[dict[str, Any]], batch_idx: int, dataloader_idx: int = 0) -> None:
-        """Greedy answers to held-out prompts, judged: ``val/reward`` and ``val/exact_match``."""
+        """Greedy answers to held-out prompts, judged: ``val/reward`` (over the samples judged; a sample whose
+        judging failed is counted in ``val/failed``, not as a reward of 0) and ``val/exact_match``."""
         datamodule = self.trainer.datamodule
         tokenizer = datamodule.load_tokenizer()
         stop = self._stop_token_ids()
@@ -366,22 +372,37 @@ class GRPOModule(LanguageModule):
         for row, answer in zip(batch, answers, strict=True):
             states.append(RolloutState(answer, row.get("answer"), row.get("data_source", "default"), row["prompt"]))
             exact.append(float(answer.strip() == str(row.get("answer", "")).strip()))
-        judged = [s.reward["score"] if s.reward else 0.0 for s in self.judger.judge_sync(states)]
-        rewards = [j if e is None else e for j, e in zip(judged, env_rewards, strict=True)]
-        totals = self._eval.setdefault(dataloader_idx, [0.0, 0.0, 0.0])
+        rewards, failed = [], 0
+        for state, env_reward in zip(self.judger.judge_sync(states), env_rewards, strict=True):
+            if env_reward is not None:  # an environment's return stands in for the judger's
+                rewards.append(env_reward)
+            elif state.status == FAILED or state.reward is None:
+                failed += 1
+                reason = state.error or "the judger gave no reward"
+                self._eval_errors[reason] = self._eval_errors.get(reason, 0) + 1
+            else:
+                rewards.append(float(state.reward["score"]))
+        totals = self._eval.setdefault(dataloader_idx, [0.0, 0.0, 0.0, 0.0])
         totals[0] += sum(rewards)
         totals[1] += sum(exact)
         totals[2] += len(batch)
+        totals[3] += failed
 
     def on_validation_epoch_end(self) -> None:
-        """Log ``val/reward`` and ``val/exact_match`` (``val/<set>/...`` with several sets)."""
+        """Log ``val/reward`` (the mean over the samples judged; ``NaN`` when every judging failed: not a score of 0,
+        and checkpoint monitoring ranks it worst), ``val/failed`` (samples whose judging failed) and
+        ``val/exact_match`` (``val/<set>/...`` with several sets); say the failures (:mod:`xtl.rl.failures`)."""
         datamodule = self.trainer.datamodule
         names = datamodule.val_set_names if isinstance(datamodule, XTLDataModule) else []
-        for idx, (reward, exact, count) in sorted(self._eval.items()):
+        for idx, (reward, exact, count, failed) in sorted(self._eval.items()):
             prefix = "val" if len(self._eval) == 1 else f"val/{names[idx] if idx < len(names) else idx}"
-            self.log(f"{prefix}/reward", reward / max(count, 1), prog_bar=True)
+            scored = count - failed
+            self.log(f"{prefix}/reward", reward / scored if scored else math.nan, prog_bar=True)
             self.log(f"{prefix}/exact_match", exact / max(count, 1), prog_bar=True)
-        self._eval = {}
+            self.log(f"{prefix}/failed", failed)
+        failed, count = (sum(totals[k] for totals in self._eval.values()) for k in (3, 2))
+        self._failures.validation(int(failed), int(count), self._eval_errors)
+        self._eval, self._eval_errors = {}, {}
 
     # ---- checkpoint ------------------------------------------------------------------------------------------
 
@@ -521,6 +542,7 @@ class GRPOModule(LanguageModule):
                 self._synced_step = self.global_step
             with self.parallelizer.whole_sequences(self.model):  # a context-parallel group decodes whole sequences
                 groups, stats = self._produce_groups(datamodule, sampling, self._batches)
+        self._check_judging(stats)
         self._batches += 1
         self._pending = self.build_updates(groups, stats)
 
@@ -557,6 +579,19 @@ class GRPOModule(LanguageModule):
             rollout.partial_tokens,
             rollout.max_resumes,
         )
+
+    def _check_judging(self, stats: ProduceStats) -> None:
+        """Say the rollout batch's failed judging and stop the run when all of it failed for one reason
+        (:mod:`xtl.rl.failures`), on counts summed over the data-parallel ranks: every rank decides alike."""
+        errors = stats.judge_errors
+        local = [sum(errors.values()), stats.judge_sent, int(len(errors) > 1)]
+        failed, judged, several = self._sum_over_data_ranks(torch.tensor(local, device=self.device)).tolist()
+        self._failures.step(self.global_step, failed, judged, errors, one_reason=several == 0)
+
+    def _say(self, line: str) -> None:
+        """Print ``line`` on standard error, on rank 0 only."""
+        if self.global_rank == 0:
+            print(line, file=sys.stderr, flush=True)
 
     def _start_producer(self) -> None:
         """Start the thread that produces rollout batches (``rollout.asynchronous``), with the batches a checkpoint

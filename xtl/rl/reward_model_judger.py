@@ -9,14 +9,14 @@ token, where xtl's ``RewardModule`` reads it in training.
 
 The model is loaded on first use, in the process that judges: the judger pickles without it, so it runs colocated
 (in the trainer's process), on a Ray actor (:class:`~xtl.rl.remote.RayJudger`) or as a branch of a
-:class:`~xtl.rl.ComposedJudger` beside rule judgers.
+:class:`~xtl.rl.ComposedJudger` beside rule judgers. Its forwards run on a daemon thread: a hung one fails its batch
+after ``timeout_s`` and never keeps the process from exiting.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,7 @@ import torch
 from xtl.data.item import DataError
 from xtl.data.preference import PreferenceTokenizeFn, unsupervised_prompt
 from xtl.errors import ConfigError
+from xtl.rl.daemon_pool import DaemonThreadPool
 from xtl.rl.judger import Judger, JudgerOutput, JudgerPayload, RolloutState
 from xtl.utils import resolve_pretrained
 
@@ -195,13 +196,13 @@ class RewardModelJudger(Judger):
         self._model: torch.nn.Module | None = None
         self._load_lock = threading.Lock()
         self._pool_lock = threading.Lock()
-        self._executor: ThreadPoolExecutor | None = None
+        self._executor: DaemonThreadPool | None = None
 
-    def _pool(self) -> ThreadPoolExecutor:
-        """One thread: forwards of the one model run one at a time."""
+    def _pool(self) -> DaemonThreadPool:
+        """One daemon thread: forwards of the one model run one at a time, and a hung one never holds the exit."""
         with self._pool_lock:
             if self._executor is None:
-                self._executor = ThreadPoolExecutor(1, thread_name_prefix="xtl-reward-model")
+                self._executor = DaemonThreadPool(1, "xtl-reward-model")
             return self._executor
 
     def _score_batch(self, payloads: list[JudgerPayload]) -> list[float]:
