@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import os
 import sys
 from pathlib import Path
@@ -35,6 +36,14 @@ from xtl.train.optim import OptimizerConfig
 
 CKPT_KEYWORDS = ("last", "best", "hpc")  # --ckpt_path values Lightning resolves itself (xtl's: auto, none)
 ARCHITECTURE_KEYS = ("model", "model_overrides")  # model.init_args keys a checkpoint always decides
+_FAMILIES = {  # module class name -> the objective users know it by
+    "LanguageModule": "SFT/pretraining",
+    "PreferenceModule": "preference (DPO, KTO, ...)",
+    "RewardModule": "reward model",
+    "DistillModule": "distillation",
+    "GRPOModule": "GRPO",
+    "OnlineDPOModule": "online DPO",
+}
 
 # An optimizer is any OptimizerConfig subclass, chosen in YAML by class_path (AdamWConfig by default).
 set_parsing_settings(subclasses_enabled=[OptimizerConfig])
@@ -94,10 +103,11 @@ class XTLCLI(LightningCLI):
             trainer.callbacks = [*(trainer.callbacks or []), watchdog]
 
     def _parse_ckpt_path(self) -> None:
-        """Resolve ``--ckpt_path auto`` / ``none`` and a restarted fit (:mod:`xtl.strategies.restart`; rank 0 prints
-        the outcome), check a checkpoint file or directory, then take the model's settings from the checkpoint (as
-        Lightning does) but keep the ``--model...`` options typed on the command line: what the user types wins over
-        the checkpoint, which wins over the config files."""
+        """Resolve ``--ckpt_path auto`` / ``none`` / ``last`` and a restarted fit (:mod:`xtl.strategies.restart`;
+        rank 0 prints the outcome), check a checkpoint file or directory, refuse one saved by another objective than
+        the config's model class (:func:`_refuse_foreign_checkpoint`), then take the model's settings from the
+        checkpoint (as Lightning does) but keep the ``--model...`` options typed on the command line: what the user
+        types wins over the checkpoint, which wins over the config files."""
         subcommand = self.config.get("subcommand")
         if not subcommand:
             return
@@ -107,15 +117,19 @@ class XTLCLI(LightningCLI):
             for line in self._resume.lines:
                 print(line, file=sys.stderr, flush=True)
         path = self._resume.path
-        if not path or path in CKPT_KEYWORDS:
+        if path in CKPT_KEYWORDS:  # Lightning finds it; a local last checkpoint is checked for its objective here
+            found = self._resume.found
+            if found is not None and not is_url(found):
+                _refuse_foreign_checkpoint(found, _hyper_parameters(found), config.get("model"), path)
+            return
+        if not path:
             return
         if is_url(path):  # a remote checkpoint (a URL, or auto in a URL folder): loaded from a local download
             path = str(fetch(path, checkpoint_staging_dir(config, path)))
             self._resume = dataclasses.replace(self._resume, path=path)
         raise_if_unreadable(Path(path))
-        if Path(path).is_dir():  # a DCP directory: its hyperparameters are in meta.pt
-            path = str(Path(path) / LIGHTNING_METADATA)
-        hparams = torch.load(path, weights_only=True, map_location="cpu").get("hyper_parameters", {})
+        hparams = _hyper_parameters(path)
+        _refuse_foreign_checkpoint(path, hparams, config.get("model"), config.get("ckpt_path"))
         hparams.pop("_instantiator", None)
         for key in _typed_model_keys(XTLArgumentParser.argv):
             _drop_key(hparams, key)
@@ -212,6 +226,50 @@ def bf16_fallback(precision: Any, accelerator: Any) -> str | None:
     if supported:
         return None
     return f"trainer.precision {precision} is not supported natively on {where}; training in 32-true instead"
+
+
+def _hyper_parameters(path: str) -> dict[str, Any]:
+    """The ``hyper_parameters`` a checkpoint file or DCP directory (its ``meta.pt``) was saved with."""
+    source = Path(path) / LIGHTNING_METADATA if Path(path).is_dir() else Path(path)
+    return dict(torch.load(source, weights_only=True, map_location="cpu").get("hyper_parameters", {}))
+
+
+def _refuse_foreign_checkpoint(path: str, hparams: dict[str, Any], model: Any, given: Any) -> None:
+    """Raise when the checkpoint at ``path`` was saved by another LightningModule class (another objective: SFT,
+    DPO, GRPO, ...) than the one the config's ``model.class_path`` names: resuming or evaluating it would silently
+    run the checkpoint's objective instead. A config that names no model class takes the checkpoint's."""
+    saved = hparams.get("_class_path")
+    configured = model.get("class_path") if isinstance(model, (Namespace, dict)) else None
+    if not saved or not configured or _same_class(saved, configured):
+        return
+    where = path if given in (None, path) else f"{path} (--ckpt_path {given})"
+    raise ConfigError(
+        f"checkpoint {where} was saved by a {_family(saved)} run ({saved}), but this config trains "
+        f"{_family(configured)} (model.class_path {configured}): --ckpt_path resumes or evaluates a run of the same "
+        "objective only. To start from that run's weights, set model.init_args.model to its HF export "
+        "(<run>/hf/final, written by a fit with --config callbacks/hf_export.yaml) and leave --ckpt_path out, as "
+        "configs/tiny_dpo.yaml starts from the tiny SFT run"
+    )
+
+
+def _same_class(first: str, second: str) -> bool:
+    """Whether two class paths name the same class (``xtl.train.LanguageModule`` is ``xtl.train.base.LanguageModule``);
+    by name where one cannot be imported."""
+    try:
+        return _import_class(first) is _import_class(second)
+    except (ImportError, AttributeError, ValueError):
+        return first == second
+
+
+def _import_class(class_path: str) -> Any:
+    module, _, name = class_path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+def _family(class_path: str) -> str:
+    """The objective a LightningModule class trains, as users name it (its class name when xtl has no short name)."""
+    name = class_path.rsplit(".", 1)[-1]
+    return _FAMILIES.get(name, name)
 
 
 def _typed_model_keys(argv: list[str]) -> list[list[str]]:

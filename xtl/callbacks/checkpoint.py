@@ -4,6 +4,7 @@ folder or an fsspec URL, and kept as asked (the newest K, every N steps, the bes
 from __future__ import annotations
 
 import shutil
+import signal
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,8 +13,10 @@ from typing import Any
 import fsspec
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint as LightningModelCheckpoint
+from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 
+from xtl.callbacks._interrupt import Interrupted, StopRequest, write_line
 from xtl.errors import ConfigError
 from xtl.model.hf.errors import CheckpointError
 from xtl.strategies.checkpoint_io import recover_interrupted_replace
@@ -49,7 +52,17 @@ class TrainingCheckpoint(LightningModelCheckpoint):
     leaves a ``last.ckpt`` of an earlier step, and evaluation, export or resume from ``last`` would silently use
     it. This class also saves ``last`` when a fit ends at a step that no checkpoint holds yet. ``--ckpt_path last``
     first finishes a distributed checkpoint replacement that a crash interrupted
-    (:func:`xtl.strategies.checkpoint_io.recover_interrupted_replace`), so ``last`` is never lost.
+    (:func:`xtl.strategies.checkpoint_io.recover_interrupted_replace`), so ``last`` is never lost. ``last`` is saved
+    as soon as the fit's final optimizer step completes (``max_steps`` reached, or the last batch of the last epoch),
+    before validation and the other callbacks' ``on_train_end`` (an HF export, an evaluation): one of them failing
+    finds the final step saved. It is saved once per step (``on_train_end`` then skips it).
+
+    **Ctrl-C and SIGTERM.** During the fit the first SIGINT or SIGTERM asks the run to stop at the next optimizer
+    step boundary (rank 0 prints ``xtl: interrupted (SIGINT) at step N; saving last.ckpt ...``); there every rank
+    agrees on it, ``last`` (without ``save_last``: a checkpoint named by ``filename``) is saved at the step reached,
+    and the process exits with 130 (SIGINT) or 143 (SIGTERM) (:mod:`xtl.callbacks._interrupt`). ``--ckpt_path last``
+    resumes with no step lost. A second Ctrl-C stops at once, without saving. The first ``TrainingCheckpoint`` of
+    the trainer handles the signals; without one, Lightning's handling applies (Ctrl-C stops at once).
 
     **URL folders.** ``dirpath`` may be an fsspec URL (``s3://bucket/run``, ``gs://...``, ``file:///shared/run``;
     the backend the URL needs, e.g. ``s3fs``, must be installed). Each checkpoint is written to the local
@@ -110,6 +123,8 @@ class TrainingCheckpoint(LightningModelCheckpoint):
                 "hold: use save_last: true"
             )
         self._saved: dict[str, int] = {}  # periodic checkpoints saved and not deleted -> their global step
+        self._last_step: int | None = None  # the global step last was saved at in this fit
+        self._stop: StopRequest | None = None  # the signal handlers (the trainer's first TrainingCheckpoint's)
         self._pending: list[_Upload] = []  # uploads not committed yet
         self._removals: list[str] = []  # remote deletions waiting for the pending uploads
         self._staging: Path | None = None
@@ -136,9 +151,13 @@ class TrainingCheckpoint(LightningModelCheckpoint):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Once every rank has loaded the checkpoint it resumed from, remove the downloaded copy (the first
-        ``TrainingCheckpoint`` of the trainer does, on each node) and this callback's other downloads."""
+        ``TrainingCheckpoint`` of the trainer does, on each node) and this callback's other downloads. The first
+        ``TrainingCheckpoint`` handles SIGINT and SIGTERM until the final step is saved."""
         super().on_train_start(trainer, pl_module)
-        first = next(c for c in trainer.checkpoint_callbacks if isinstance(c, TrainingCheckpoint))
+        first = _ours(trainer)[0]
+        self._last_step = None
+        if self is first and not trainer.fast_dev_run:
+            self._stop = StopRequest.install(trainer)
         resumed = trainer.ckpt_path
         if resumed is None and not self._remote:
             return
@@ -150,8 +169,60 @@ class TrainingCheckpoint(LightningModelCheckpoint):
         if self._staging is not None:
             _remove_local(self._staging / DOWNLOADS)
 
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        """Lightning's periodic saves; then, at an optimizer-step boundary: when this step ends the fit, save
+        ``last`` now (before validation and the other callbacks' ``on_train_end``); when a signal asked the run to
+        stop (any rank's, agreed by all), save ``last`` and stop with :class:`~xtl.callbacks._interrupt.Interrupted`
+        (the trainer's last ``TrainingCheckpoint``, once every one has saved)."""
+        super().on_train_batch_end(trainer, pl_module, *args)
+        if trainer.fit_loop.epoch_loop._should_accumulate():
+            return  # mid-step: gradients are still being accumulated
+        self._at_boundary(trainer, ("step", trainer.fit_loop.epoch_loop.total_batch_idx), _ends_fit(trainer))
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Lightning's saves; then, in a fit, stop when a signal came during the validation (a long evaluation would
+        otherwise delay the stop by a training step)."""
+        super().on_validation_end(trainer, pl_module)
+        if trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking:
+            self._at_boundary(trainer, ("validation", trainer.fit_loop.epoch_loop.total_batch_idx), final=False)
+
+    def _at_boundary(self, trainer: pl.Trainer, boundary: tuple[str, int], final: bool) -> None:
+        """Where every rank is between two steps: save ``last`` when the fit's final step is done (``final``) or a
+        signal asked to stop (then stop, from the trainer's last ``TrainingCheckpoint``)."""
+        if trainer.fast_dev_run:  # Lightning saves nothing then
+            return
+        ours = _ours(trainer)
+        stop = ours[0]._stop
+        signum = stop.agree(trainer, boundary) if stop is not None else None
+        if signum is None and not final:
+            return
+        saved = self._last_step if self.save_last else self._last_global_step_saved
+        if saved != trainer.global_step and (self.save_last or signum is not None):
+            previous = self._last_global_step_saved
+            self._save_now(trainer)
+            if signum is None:  # validation at this step may still save its best-by-metric checkpoint
+                self._last_global_step_saved = previous
+        if self is not ours[-1]:
+            return
+        if stop is not None:  # the final step is saved: Ctrl-C during the exports and evaluations stops at once
+            stop.uninstall()
+        if signum is not None:
+            if boundary[0] == "step":  # the step's metrics, which Lightning logs after this hook
+                connector = trainer._logger_connector
+                connector.on_batch_end()
+                connector.update_train_step_metrics()
+            if trainer.is_global_zero:
+                saved = ", ".join(c.last_model_path or c._last_checkpoint_saved for c in ours)
+                write_line(
+                    f"xtl: saved {saved} at step {trainer.global_step}; exiting with {128 + signum} "
+                    f"({signal.Signals(signum).name}); resume with --ckpt_path last"
+                )
+            raise Interrupted(signum)
+
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Save ``last`` when the fit's final step is not saved yet; wait for the uploads still running."""
+        if self._stop is not None:
+            self._stop.uninstall()
         if self.save_last and not self._should_skip_saving_checkpoint(trainer):
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
         else:
@@ -168,10 +239,19 @@ class TrainingCheckpoint(LightningModelCheckpoint):
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         """The run fails: wait for this rank's background uploads and commit none (they do not count; the next fit
         deletes them), then Lightning's (``save_on_exception``)."""
+        if self._stop is not None:
+            self._stop.uninstall()
         for pending in self._pending:
             pending.wait()
         self._pending, self._removals = [], []
         super().on_exception(trainer, pl_module, exception)
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Give the signals back (where a fit ended without ``on_train_end``)."""
+        super().teardown(trainer, pl_module, stage)
+        if self._stop is not None:
+            self._stop.uninstall()
+            self._stop = None
 
     def state_dict(self) -> dict[str, Any]:
         """Lightning's state and the periodic checkpoints saved so far (path -> step), for the retention rules."""
@@ -222,6 +302,30 @@ class TrainingCheckpoint(LightningModelCheckpoint):
             for path in [p for p in self._saved if p not in keep and p != filepath]:
                 if self._should_remove_checkpoint(trainer, path, filepath):
                     self._remove_checkpoint(trainer, path)
+
+    def _save_last_checkpoint(self, trainer: pl.Trainer, monitor_candidates: dict[str, Tensor]) -> None:
+        """Lightning's, once per step of a fit (the final step's ``last`` is saved before validation and
+        ``on_train_end``, which then skip it)."""
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if not self.save_last or fitting and self._last_step == trainer.global_step:
+            return
+        super()._save_last_checkpoint(trainer, monitor_candidates)
+        if fitting:
+            self._last_step = trainer.global_step
+
+    def _save_now(self, trainer: pl.Trainer) -> None:
+        """Save ``last`` (without ``save_last``: a checkpoint named by ``filename``) at this step, and make it
+        count on every rank before returning: an asynchronous FSDP save finished, a background upload committed."""
+        candidates = self._monitor_candidates(trainer)
+        if self.save_last == "link" and self._last_global_step_saved != trainer.global_step:
+            self._last_checkpoint_saved = ""  # no checkpoint of this step to link to: last is written in full
+        if self.save_last:
+            self._save_last_checkpoint(trainer, candidates)
+        else:
+            self._save_checkpoint(trainer, self.format_checkpoint_name(candidates))
+        if isinstance(trainer.strategy, ParallelizingStrategy):
+            trainer.strategy.finish_pending_save()
+        self._finish_uploads(trainer)
 
     def _save_monitor_checkpoint(self, trainer: pl.Trainer, monitor_candidates: dict[str, Tensor]) -> None:
         """Lightning's; with ``keep_last`` / ``keep_every_n_steps`` a checkpoint that is not among the best is saved
@@ -317,6 +421,21 @@ class TrainingCheckpoint(LightningModelCheckpoint):
         for url in removals:
             if trainer.is_global_zero and url not in self._saved and url != self.last_model_path:
                 delete(url)
+
+
+def _ours(trainer: pl.Trainer) -> list[TrainingCheckpoint]:
+    """The trainer's ``TrainingCheckpoint`` callbacks, in the order Lightning calls them."""
+    return [c for c in trainer.checkpoint_callbacks if isinstance(c, TrainingCheckpoint)]
+
+
+def _ends_fit(trainer: pl.Trainer) -> bool:
+    """Whether the optimizer step that just completed is the fit's last: ``max_steps`` reached, or the last batch
+    of the last epoch (an early stop, ``max_time``: not foreseen; ``on_train_end`` saves then)."""
+    loop = trainer.fit_loop
+    if loop.max_steps != -1 and trainer.global_step >= loop.max_steps:
+        return True
+    last_epoch = loop.max_epochs not in (None, -1) and trainer.current_epoch + 1 >= loop.max_epochs
+    return last_epoch and loop.epoch_loop._num_ready_batches_reached()
 
 
 @dataclass

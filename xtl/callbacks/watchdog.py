@@ -26,6 +26,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch.distributed import distributed_c10d
 
 from xtl.callbacks._heartbeats import FAILED, FINISHED, Progress
+from xtl.callbacks._interrupt import requested_signal
 from xtl.callbacks._watchdog_thread import EXIT_CODE, PREFIX, Watch, watch_timeout
 from xtl.errors import ConfigError
 
@@ -52,7 +53,8 @@ class RankWatchdog(pl.Callback):
       store it hosts under Lightning's and SLURM's launch: named at once);
     - a collective of this rank failed (gloo raises at once when a peer dies), or torchrun's agent sent SIGTERM
       (it stops the other ranks when one dies): the rank whose heartbeat is then ``3 * interval_s`` old is named,
-      instead of gloo's traceback;
+      instead of gloo's traceback (a SIGTERM with every rank alive names none: the ranks save ``last`` at the next
+      step boundary and exit 143, see :class:`~xtl.callbacks.TrainingCheckpoint`);
     - a rank that Lightning's launcher started on this node ended: named at once;
     - a rank failed with an error of its own: its peers name it and its error;
     - the ranks that are behind all others made no progress for ``stall_timeout_s`` (a stuck data read, a
@@ -135,7 +137,7 @@ class RankWatchdog(pl.Callback):
             children=children,
             kill_children=kill,
             flush=lambda: [logger.save() for logger in trainer.loggers],
-            terminating=lambda: trainer.received_sigterm,
+            terminating=lambda: trainer.received_sigterm or requested_signal(trainer) == signal.SIGTERM,
         )
         self.watch.start()
 

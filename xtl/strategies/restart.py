@@ -7,6 +7,10 @@ skipped, an interrupted replacement finished first); across folders, the one sav
 (a tie: the folder named first). None anywhere: ``fit`` starts fresh; ``validate``, ``test`` and ``predict`` stop
 with an error.
 
+``--ckpt_path last`` is left to Lightning (each checkpoint callback's newest ``last*.ckpt``), but when no checkpoint
+folder of the config holds one it is an error naming the folders (Lightning would warn and train from scratch into
+the same folder); a config whose checkpoint callbacks name no ``dirpath`` is left to Lightning entirely.
+
 A ``fit`` without ``--ckpt_path`` that a launcher restarted (``TORCHELASTIC_RESTART_COUNT`` > 0: torchrun's
 ``--max-restarts``; ``SLURM_RESTART_COUNT`` > 0: a requeued SLURM job) behaves as ``--ckpt_path auto``.
 ``--ckpt_path none`` opts out: the fit starts from scratch even on a restart (and, like any fresh fit, is refused
@@ -27,17 +31,22 @@ its own prefix in it.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 import torch.distributed as dist
 
 from xtl.errors import ConfigError
-from xtl.strategies.checkpoint_io import checkpoint_step, find_resume_checkpoint
+from xtl.strategies.checkpoint_io import checkpoint_step, find_resume_checkpoint, recover_interrupted_replace
+from xtl.strategies.remote_checkpoint import is_url, newest_complete_checkpoint
 
+LAST = "last"  # --ckpt_path last: Lightning's newest last*.ckpt of the checkpoint callbacks; none there is an error
 AUTO = "auto"  # --ckpt_path auto: the newest intact checkpoint of the run's checkpoint folders, else a fresh start
 NEVER = "none"  # --ckpt_path none: never resume by itself, not even on a restart
+_LAST_NAME = re.compile(r"^last(-\d+)?\.ckpt$")  # Lightning's last checkpoint names: last.ckpt, last-v1.ckpt
 RESTART_VARIABLES = ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")
 
 
@@ -51,11 +60,13 @@ class Resume:
             apply.
         lines: What rank 0 prints (``xtl: resuming from PATH (step N)`` / ``xtl: no checkpoint in ...; starting
             fresh``, after ``xtl: restart detected ...`` on a restart).
+        found: For ``last``: the checkpoint Lightning will take (a local path, or a URL), to check before the run.
     """
 
     path: str | None
     automatic: bool = False
     lines: tuple[str, ...] = ()
+    found: str | None = None
 
 
 def resolve_ckpt_path(
@@ -71,10 +82,19 @@ def resolve_ckpt_path(
 
     Raises:
         ConfigError: ``auto`` with no checkpoint folder in the config, or (``validate``, ``test``, ``predict``) with
-            no intact checkpoint in them.
+            no intact checkpoint in them; ``last`` with no ``last`` checkpoint in the config's checkpoint folders.
     """
     if ckpt_path == NEVER:
         return Resume(None)
+    if ckpt_path == LAST and folders:  # without a dirpath in the config, Lightning's default folder: its to find
+        found = newest_last_checkpoint(folders)
+        if found is None:
+            raise ConfigError(
+                f"--ckpt_path last found no last checkpoint in {', '.join(folders)}: pass --ckpt_path auto (the "
+                "newest checkpoint, else a fresh start), a checkpoint file or directory, or leave --ckpt_path out to "
+                "start fresh"
+            )
+        return Resume(LAST, found=found)
     restart = restart_variable(environ) if subcommand == "fit" and ckpt_path is None else None
     if ckpt_path != AUTO and restart is None:
         return Resume(ckpt_path)
@@ -113,6 +133,25 @@ def newest_checkpoint(folders: list[str]) -> tuple[str, int] | None:
         if best is None or step > best[1]:
             best = (found, step)
     return best
+
+
+def newest_last_checkpoint(folders: list[str]) -> str | None:
+    """The ``last*.ckpt`` that ``--ckpt_path last`` resumes from, as Lightning chooses it (the most recently
+    modified of the folders'; of a URL folder: its newest complete one), or ``None`` when no folder holds one. An
+    interrupted replacement of ``last`` is finished first."""
+    found: list[tuple[float, str]] = []
+    for folder in folders:
+        if is_url(folder):
+            newest = newest_complete_checkpoint(folder, last_only=True)
+            if newest is not None:
+                found.append((float("inf"), newest.url))
+            continue
+        directory = Path(folder)
+        if not directory.is_dir():
+            continue
+        recover_interrupted_replace(directory)
+        found += [(p.stat().st_mtime, str(p)) for p in directory.glob("last*.ckpt") if _LAST_NAME.match(p.name)]
+    return max(found)[1] if found else None
 
 
 def restart_variable(environ: Mapping[str, str] = os.environ) -> str | None:
