@@ -68,6 +68,12 @@ class GenerationEval(pl.Callback, ContextParallelFeature):
             "drop GenerationEval from trainer.callbacks: callbacks/eval.yaml",
         )
 
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Read the eval set and check the data module now (before training), not at the first evaluation."""
+        if run_datamodule(trainer) is None:
+            raise ConfigError("GenerationEval needs xtl's data module (data: in the config) for the tokenizer")
+        self._samples()
+
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         """Evaluate every ``every_n_steps`` steps."""
         step = trainer.global_step

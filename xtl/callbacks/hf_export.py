@@ -10,6 +10,7 @@ import lightning.pytorch as pl
 import torch
 
 from xtl.callbacks._run import run_datamodule
+from xtl.callbacks._startup import check_writable_folder
 from xtl.errors import ConfigError
 from xtl.model import BaseModel
 from xtl.model.hf import DEFAULT_MAX_SHARD_SIZE, FP8_FORMATS, copy_side_files
@@ -66,8 +67,11 @@ class HFExport(pl.Callback):
         self.exported: list[Path] = []
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """Refuse two model transforms that would both write the export."""
+        """Refuse two model transforms that would both write the export, and an export root that cannot be
+        written (before training, not when the first export is due)."""
         _export_writer(trainer)
+        if stage == "fit":
+            check_writable_folder(trainer, self.root(trainer), "HFExport.dirpath")
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         """Export every ``every_n_steps`` steps."""
@@ -82,8 +86,7 @@ class HFExport(pl.Callback):
 
     def export(self, trainer: pl.Trainer, pl_module: pl.LightningModule, name: str) -> Path:
         """Export now to ``<dirpath>/<name>`` and return the path (every rank must call this)."""
-        root = Path(self.dirpath) if self.dirpath else Path(trainer.default_root_dir) / "hf"
-        target = root / name
+        target = self.root(trainer) / name
         dtype = getattr(torch, self.dtype) if self.dtype else None
         model: BaseModel = pl_module.model
         token_ids = _token_ids(trainer)
@@ -106,6 +109,10 @@ class HFExport(pl.Callback):
         trainer.strategy.barrier()
         self.exported.append(target)
         return target
+
+    def root(self, trainer: pl.Trainer) -> Path:
+        """The export root: ``dirpath``, or ``<trainer.default_root_dir>/hf``."""
+        return Path(self.dirpath) if self.dirpath else Path(trainer.default_root_dir) / "hf"
 
 
 def _export_writer(trainer: pl.Trainer) -> ModelTransform | None:

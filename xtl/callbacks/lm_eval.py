@@ -12,7 +12,15 @@ import torch
 from lightning.pytorch.trainer.states import TrainerFn
 
 from xtl.callbacks._run import run_datamodule
-from xtl.callbacks.lm_eval_run import EvalSettings, flat_metrics, require_lm_eval, resolve_tasks, run_lm_eval
+from xtl.callbacks._startup import check_writable_folder, raise_on_every_rank
+from xtl.callbacks.lm_eval_run import (
+    EvalSettings,
+    flat_metrics,
+    load_tasks,
+    require_lm_eval,
+    resolve_tasks,
+    run_lm_eval,
+)
 from xtl.errors import ConfigError
 from xtl.strategies.layout import broadcast_object
 from xtl.utils import atomic_write_bytes
@@ -82,16 +90,23 @@ class LMEval(pl.Callback):
         self.dirpath = dirpath
         self.history: list[tuple[int, dict[str, float]]] = []
         self._resolved: tuple[list, Any] | None = None
+        self._built: list | None = None  # the task objects of the startup check, for the first evaluation
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """Check that lm-eval is installed and every task exists (before training starts)."""
+        """Check that lm-eval is installed, the results folder can be written, and every task exists and its
+        dataset loads (before training starts)."""
         require_lm_eval()
         if run_datamodule(trainer) is None:
             raise ConfigError("LMEval needs xtl's data module (data: in the config) for the tokenizer")
+        check_writable_folder(trainer, self.root(trainer), "LMEval.dirpath")
+        error = None
         try:
             self._resolved = resolve_tasks(self.settings)
+            if stage in (TrainerFn.FITTING, TrainerFn.VALIDATING):  # the commands that evaluate
+                self._built = load_tasks(*self._resolved)  # every rank: each evaluates a share of the requests
         except ConfigError as err:
-            raise ConfigError(f"LMEval.{err}") from None
+            error = f"LMEval.{err}"
+        raise_on_every_rank(trainer, error)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         """Evaluate every ``every_n_steps`` steps."""
@@ -132,17 +147,24 @@ class LMEval(pl.Callback):
             whole_sequences=lambda: pl_module.parallelizer.whole_sequences(pl_module.model),
         )
         start = time.perf_counter()
-        results = run_lm_eval(lm, self.settings, *self._resolved)
+        tasks, manager = self._resolved
+        tasks, self._built = self._built or tasks, None  # built tasks serve once: an evaluation changes them
+        results = run_lm_eval(lm, self.settings, tasks, manager)
         seconds = time.perf_counter() - start
         metrics = flat_metrics(results) if results is not None else {}
         metrics = broadcast_object(metrics, group)  # scored on the group's first rank
         step = trainer.global_step
         if trainer.is_global_zero and results is not None:
-            root = Path(self.dirpath) if self.dirpath else Path(trainer.default_root_dir) / "lm_eval"
             record = {"step": step, "seconds": seconds, **{k: results.get(k) for k in _RESULT_KEYS}}
-            atomic_write_bytes(root / f"step_{step}.json", json.dumps(record, indent=2, default=str).encode())
+            atomic_write_bytes(
+                self.root(trainer) / f"step_{step}.json", json.dumps(record, indent=2, default=str).encode()
+            )
         self.history.append((step, metrics))
         return metrics
+
+    def root(self, trainer: pl.Trainer) -> Path:
+        """The results folder: ``dirpath``, or ``<trainer.default_root_dir>/lm_eval``."""
+        return Path(self.dirpath) if self.dirpath else Path(trainer.default_root_dir) / "lm_eval"
 
     # ---- private -----------------------------------------------------------------------------------------------
 

@@ -140,15 +140,58 @@ def resolve_tasks(settings: EvalSettings) -> tuple[list[str | dict], Any]:
     return tasks, manager
 
 
+def load_tasks(tasks: list[str | dict], manager: Any) -> list[Any]:
+    """Build lm-eval's task objects, which loads their datasets: a check that every task's data can be read, made
+    before a run starts; the objects go to :func:`run_lm_eval` in place of ``tasks``.
+
+    Data comes from local files, the ``datasets`` cache or the Hugging Face Hub. When a task may need the Hub and
+    the Hub cannot be reached (one short request), the datasets load in offline mode, from the cache, so that a
+    machine without network fails at once instead of after the Hub client's retries (half a minute per dataset).
+
+    Args:
+        tasks: The tasks of :func:`resolve_tasks`.
+        manager: Its task manager.
+
+    Returns:
+        lm-eval's built tasks and groups, in the order of ``tasks``.
+
+    Raises:
+        ConfigError: A task's dataset cannot be loaded (not on the Hub, not in the cache, no network): one line
+            naming the task, its dataset, the reason and what to do.
+    """
+    import datasets
+    from huggingface_hub import constants as hub
+
+    offline = bool(datasets.config.HF_HUB_OFFLINE)
+    unreachable = None if offline or not any(_may_need_hub(t) for t in tasks) else _hub_unreachable()
+    built = []
+    for spec in tasks:
+        opened: list[str] = []  # the datasets this task opened, the last one failed
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(preserved_random_state())
+            stack.enter_context(_quiet())
+            stack.enter_context(_recording_datasets(opened))
+            if unreachable:
+                for module in (datasets.config, hub):
+                    stack.enter_context(mock.patch.object(module, "HF_HUB_OFFLINE", True))
+            try:
+                loaded = manager.load([spec])
+            except OSError as err:  # ConnectionError, FileNotFoundError, the Hub's HTTP errors, ...
+                raise ConfigError(_dataset_error(spec, opened, err, offline, unreachable)) from None
+        built.extend(_top_level(loaded))
+    return built
+
+
 def run_lm_eval(
-    lm: Any, settings: EvalSettings, tasks: list[str | dict], manager: Any, log_samples: bool = False
+    lm: Any, settings: EvalSettings, tasks: list[Any], manager: Any, log_samples: bool = False
 ) -> dict | None:
     """Evaluate ``lm`` on ``tasks``; the random state of the process is unchanged afterwards.
 
     Args:
         lm: The model (an lm-eval ``LM``).
         settings: What to evaluate and how.
-        tasks: The tasks of :func:`resolve_tasks`.
+        tasks: The tasks of :func:`resolve_tasks`, or the task objects :func:`load_tasks` built of them (used once:
+            an evaluation changes them).
         manager: Its task manager.
         log_samples: Keep lm-eval's per-sample logs in the results (``samples``: task -> list of records; see
             :func:`write_samples`).
@@ -245,6 +288,80 @@ def preserved_random_state() -> Iterator[None]:
 
 
 # ---- private ---------------------------------------------------------------------------------------------------
+
+
+_HUB_PROBE_TIMEOUT_S = 5.0
+
+
+def _may_need_hub(task: str | dict) -> bool:
+    """Whether a task may load its dataset from the Hub: a registry name, or a config whose ``dataset_path`` is
+    neither a local path nor one of ``datasets``' file formats (``json``, ``csv``, ...)."""
+    if isinstance(task, str):
+        return True
+    from datasets.packaged_modules import _PACKAGED_DATASETS_MODULES
+
+    path = str(task.get("dataset_path") or "")
+    return bool(path) and path not in _PACKAGED_DATASETS_MODULES and not Path(path).exists()
+
+
+def _hub_unreachable() -> str | None:
+    """Why the Hugging Face Hub cannot be reached (one request through the Hub client's own session: its proxy
+    and certificates, no retries), or ``None`` when it answers."""
+    from huggingface_hub import constants as hub
+    from huggingface_hub import get_session
+
+    try:
+        get_session().head(hub.ENDPOINT, timeout=_HUB_PROBE_TIMEOUT_S)
+    except Exception as err:  # noqa: BLE001 - any failure to get an answer is "unreachable"
+        return f"the Hugging Face Hub ({hub.ENDPOINT}) cannot be reached ({_first_line(err) or type(err).__name__})"
+    return None
+
+
+@contextlib.contextmanager
+def _recording_datasets(opened: list[str]) -> Iterator[None]:
+    """Append the path (and configuration) of each ``datasets.load_dataset`` call lm-eval makes to ``opened``."""
+    import datasets
+
+    load = datasets.load_dataset
+
+    def recording(path: str, name: str | None = None, *args: Any, **kwargs: Any) -> Any:
+        opened.append(f"{path} ({name})" if name else str(path))
+        return load(path, name, *args, **kwargs)
+
+    with mock.patch.object(datasets, "load_dataset", recording):
+        yield
+
+
+def _dataset_error(spec: str | dict, opened: list[str], err: OSError, offline: bool, unreachable: str | None) -> str:
+    """The one-line message of a task whose dataset failed to load."""
+    import datasets
+
+    name = spec if isinstance(spec, str) else spec.get("task", "?")
+    dataset = f" ({opened[-1]})" if opened else ""
+    cache = datasets.config.HF_DATASETS_CACHE
+    if offline:
+        reason = f"offline mode is on (HF_HUB_OFFLINE) and it is not in the datasets cache ({cache})"
+    elif unreachable:
+        reason = f"{unreachable} and it is not in the datasets cache ({cache})"
+    else:
+        reason = _first_line(err) or type(err).__name__
+    return (
+        f"tasks: lm-eval task {name}: its dataset{dataset} cannot be loaded: {reason}; run once with network access "
+        "to fill the datasets cache (HF_DATASETS_CACHE; later runs read it offline), or name a task whose data is "
+        "local (a task YAML with data_files)"
+    )
+
+
+def _first_line(err: BaseException) -> str:
+    """The first line of an exception's message."""
+    return str(err).strip().partition("\n")[0]
+
+
+def _top_level(loaded: dict) -> list[Any]:
+    """The tasks and groups of one ``TaskManager.load`` that no loaded group contains (what was asked for)."""
+    children = {child for names in loaded["group_map"].values() for child in names}
+    groups = [group for name, group in loaded["groups"].items() if name not in children]
+    return groups or [task for name, task in loaded["tasks"].items() if name not in children]
 
 
 def _local_data_files(config: dict, folder: Path) -> dict:

@@ -10,6 +10,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 
+from xtl.callbacks._startup import check_writable_folder
 from xtl.model.parity import (
     PARITY_MODES,
     ParityCheckError,
@@ -118,6 +119,11 @@ class HFParityCheck(pl.Callback, ContextParallelFeature):
             "drop HFParityCheck from trainer.callbacks: callbacks/parity_check.yaml",
         )
 
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Refuse a report folder that cannot be written (before training, not when the first report is due)."""
+        if stage == "fit":
+            check_writable_folder(trainer, self.root(trainer), "HFParityCheck.dirpath")
+
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
@@ -177,6 +183,10 @@ class HFParityCheck(pl.Callback, ContextParallelFeature):
                 warnings.warn(message, stacklevel=1)
         return report
 
+    def root(self, trainer: pl.Trainer) -> Path:
+        """The report folder: ``dirpath``, or ``<trainer.default_root_dir>/parity``."""
+        return Path(self.dirpath) if self.dirpath else Path(trainer.default_root_dir) / "parity"
+
     # ---- private ---------------------------------------------------------------------------------------------
 
     def _tolerance(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> str:
@@ -196,8 +206,7 @@ class HFParityCheck(pl.Callback, ContextParallelFeature):
         return self.tolerance
 
     def _publish(self, trainer: pl.Trainer, report: ParityReport) -> None:
-        root = Path(self.dirpath) if self.dirpath else Path(trainer.default_root_dir) / "parity"
-        atomic_write_bytes(root / f"step_{report.step}.json", report.to_json().encode())
+        atomic_write_bytes(self.root(trainer) / f"step_{report.step}.json", report.to_json().encode())
         rank_zero_info(report.render())
         for logger in trainer.loggers:
             logger.log_metrics(report.metrics(), step=report.step)

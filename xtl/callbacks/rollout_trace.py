@@ -8,6 +8,7 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_info
 
+from xtl.callbacks._startup import check_writable_folder
 from xtl.errors import ConfigError
 
 
@@ -32,7 +33,7 @@ class RolloutTrace(pl.Callback):
         self._tracer: Any = None
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """Refuse a module without rollouts."""
+        """Refuse a module without rollouts, and a spans folder that cannot be written."""
         from xtl.rl import GRPOModule
 
         if not isinstance(pl_module, GRPOModule):
@@ -40,6 +41,8 @@ class RolloutTrace(pl.Callback):
                 f"trainer.callbacks: RolloutTrace traces RL rollouts; the model is {type(pl_module).__name__}, "
                 "not a GRPOModule: remove the callback"
             )
+        if stage == "fit":
+            check_writable_folder(trainer, self.file(trainer).parent, "RolloutTrace.path")
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Open the spans file and make it the process's tracer; say where the trace and its page are."""

@@ -86,7 +86,14 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args: argparse.Namespace) -> int:
     import torch
 
-    from xtl.callbacks.lm_eval_run import EvalSettings, require_lm_eval, resolve_tasks, run_lm_eval, write_samples
+    from xtl.callbacks.lm_eval_run import (
+        EvalSettings,
+        load_tasks,
+        require_lm_eval,
+        resolve_tasks,
+        run_lm_eval,
+        write_samples,
+    )
     from xtl.errors import ConfigError
     from xtl.tools.generate import load_model_and_tokenizer
     from xtl.utils import atomic_write_bytes
@@ -108,6 +115,7 @@ def _run(args: argparse.Namespace) -> int:
             seed=args.seed,
         )
         tasks, manager = resolve_tasks(settings)
+        tasks = load_tasks(tasks, manager)  # loads every task's dataset, before the model
     except ConfigError as err:
         raise ToolInputError(re.sub(r"^(\w+)", lambda m: "--" + m.group(1).replace("_", "-"), str(err))) from None
     model, tokenizer, hf_dir = load_model_and_tokenizer(args.model, args.tokenizer, args.template, args.device)
