@@ -127,6 +127,10 @@ SEAM_ALLOWLIST = (
     "callbacks/watchdog.py: hasattr(distributed_c10d, '_get_default_store') -> torch's private getter of the default"
     " process group's store (no public API; checked, so that another torch turns the watchdog off with a message)",
     "cli_parser.py: getattr(action, 'choices', None) -> an argparse action of jsonargparse's: only some have choices",
+    "cli_parser.py: getattr(module, '__all__', None) -> any Python module a class_path names: only some declare"
+    " __all__ (the suggestion then lists its public names)",
+    "cli_parser.py: getattr(package, '__all__', None) -> a package on a class's module path: only some re-export"
+    " names (the suggestion shows the shortest path)",
     "data/tokenize.py: getattr(tokenizer, 'backend_tokenizer', None) -> a transformers tokenizer: only fast ones"
     " have a Rust backend",
     "model/compose/config.py: getattr(hf_config.text_config, 'tie_word_embeddings', None) -> a transformers text"

@@ -111,7 +111,7 @@ class TestBadConfig:
 
     def test_an_unknown_nested_option_is_named_with_its_key_path(self, tmp_path, capsys):
         code, err = self._fit(tmp_path, capsys, "--model.init_args.optimizer.lrr", "1")
-        _assert_short(code, err, "'model.init_args.optimizer.lrr'", "did you mean 'lr'")
+        _assert_short(code, err, "'model.init_args.optimizer.lrr'", "did you mean '--model.init_args.optimizer.lr'")
 
     def test_a_gpu_recipe_on_a_machine_without_a_gpu(self, tmp_path, capsys, monkeypatch):
         monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

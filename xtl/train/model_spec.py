@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 from typing import Any
 
 from xtl.errors import ConfigError, did_you_mean
 from xtl.model import MODEL_TYPES, TransformerConfig, get_model_config, get_model_config_from_hf
 from xtl.utils import resolve_pretrained
+
+# the HF export the tiny recipes (DPO, KTO, GRPO, ...) start from, and the command that writes it (README)
+SFT_EXPORT = "runs/tiny_sft_export/hf/final"
+SFT_EXPORT_COMMAND = (
+    "xtl fit --config configs/tiny_sft.yaml --config callbacks/hf_export.yaml --trainer.default_root_dir "
+    "runs/tiny_sft_export"
+)
 
 
 def resolve_model_config(
@@ -45,6 +53,9 @@ def resolve_model_config(
             hf_dir = Path(value)
             config = get_model_config_from_hf(hf_dir)
         else:
+            missing = missing_model_message(value)
+            if missing:
+                raise ConfigError(missing)
             try:
                 config = get_model_config(value)
             except KeyError as err:
@@ -57,6 +68,29 @@ def resolve_model_config(
             values.update(dict.fromkeys(config.per_layer_fields, None))
         config = _construct(type(config), {**values, **overrides}, "model.init_args.model_overrides")
     return config, hf_dir
+
+
+def missing_model_message(value: str) -> str | None:
+    """Why the model path ``value`` cannot be loaded when it names nothing on disk, or ``None``: a value that is not
+    a path (a registered alias) or that exists.
+
+    A path is a value with a path separator or starting with ``.`` or ``~``. The message says how to create the
+    path where it is a run's HF export (``<run folder>/hf/<name>``), with the command when it is the SFT export the
+    tiny recipes start from.
+    """
+    if Path(value).expanduser().exists() or not ("/" in value or os.sep in value or value.startswith((".", "~"))):
+        return None
+    message = f"model.init_args.model: model path {value!r} does not exist (working directory: {Path.cwd()})"
+    parts = Path(value).parts
+    if Path(value).as_posix().endswith(SFT_EXPORT):
+        return f"{message}; create it first: it is the SFT recipe's export, `{SFT_EXPORT_COMMAND}` (see README)"
+    if "hf" in parts[:-1]:
+        run = Path(*parts[: len(parts) - 1 - parts[::-1].index("hf")])
+        return (
+            f"{message}; create it first: it is the HF export of the run in {run} (a fit with the HFExport "
+            "callback, e.g. --config callbacks/hf_export.yaml; see README)"
+        )
+    return f"{message}; fix the path"
 
 
 def _construct(cls: type[TransformerConfig], fields: dict[str, Any], where: str) -> TransformerConfig:
