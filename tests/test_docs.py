@@ -12,6 +12,13 @@ set for ``/data/sft.jsonl``, tiny bf16 / fp8 / extra-tensor checkpoints for the 
 file; ``xtl fit`` gets a shared data cache and 2 steps (an explicit ``--trainer.max_steps`` becomes 4: an
 extension of the 2-step run), every run packs of :data:`PACK` tokens, and the Qwen3-8B parity example runs on
 Qwen3-0.6B cut to one layer.
+
+The documented configs parse: every ```` ```yaml ```` block is a config fragment that ``xtl``'s own parser accepts
+(:class:`~xtl.cli.ParseOnlyCLI`, nothing instantiated) on top of a base recipe, :data:`BASE` unless the info string
+says ``base=configs/NAME.yaml``; an excerpt of a section says where it sits with ``under=KEY.PATH`` (``under=
+model.init_args`` for an ``optimizer:`` excerpt). A YAML block that is not an xtl config opts out with
+``not-config: WHY`` in its info string. The user code that examples name (``my_judgers``, ``mypackage``) is a
+stand-in module (:data:`USER_CODE`).
 """
 
 from __future__ import annotations
@@ -22,6 +29,8 @@ import shlex
 import shutil
 import subprocess
 import sys
+import textwrap
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,6 +54,17 @@ NO_GPU = "no usable GPU"
 PACK = 128  # the packs of a documented run (the tiny recipes' 512 makes fp8 on CPU, an emulated matmul, slow)
 # what the tool examples write where their command says (beside the run folders)
 OUTPUTS = ("fp8_ckpt", "ckpt_hf", "merged", "merged_linked")
+BASE = "configs/tiny_sft.yaml"  # the recipe a documented config fragment is added to, unless it names its base
+NOT_CONFIG = "not-config:"
+# the user modules that documented configs name: each class or function a stand-in of the kind the key takes
+USER_CODE = {
+    "my_judgers.py": "from xtl.rl.judger import SyncJudger\n\n\nclass UnitTests(SyncJudger):\n"
+    "    def score(self, payload):\n        return 1.0\n\n\ndef exact_answer(response, ground_truth, **extra):\n"
+    "    return 1.0\n",
+    "mypackage/__init__.py": "",
+    "mypackage/games.py": "class GuessingGame:\n    pass\n",
+    "mypackage/tools.py": "def search(query: str) -> str:\n    return query\n",
+}
 
 
 @dataclass
@@ -77,6 +97,71 @@ def blocks(path: Path) -> list[Block]:
                     commands.append(part)
         found.append(Block(path, line, "doctest=gpu" in marks, commands))
     return found
+
+
+@dataclass
+class YamlBlock:
+    """A ```` ```yaml ```` block: where it is, its text, the marks of its info string."""
+
+    path: Path
+    line: int
+    text: str
+    marks: str
+
+    def __str__(self) -> str:
+        return f"{self.path.relative_to(ROOT) if self.path.is_relative_to(ROOT) else self.path.name}:{self.line}"
+
+    @property
+    def reason(self) -> str | None:
+        """Why the block is not an xtl config (``not-config: WHY``), or ``None`` for a config."""
+        marks = self.marks.strip()
+        return marks.split(NOT_CONFIG, 1)[1].strip() if NOT_CONFIG in marks else None
+
+    def mark(self, name: str, default: str | None = None) -> str | None:
+        """The value of ``name=VALUE`` in the info string."""
+        found = re.search(rf"(?<!\S){name}=(\S+)", self.marks)
+        return found.group(1) if found else default
+
+    def config(self) -> str:
+        """The fragment as a whole config: dedented, and nested under its ``under=`` keys."""
+        text = textwrap.dedent(self.text)
+        for key in reversed((self.mark("under") or "").split(".") if self.mark("under") else []):
+            text = f"{key}:\n" + textwrap.indent(text, "  ")
+        return text
+
+
+def yaml_blocks(path: Path) -> list[YamlBlock]:
+    """The ``yaml`` blocks of a document, in order."""
+    text = path.read_text()
+    return [
+        YamlBlock(path, text[: m.start()].count("\n") + 1, m.group(3), m.group(2))
+        for m in BLOCK.finditer(text)
+        if m.group(1) in ("yaml", "yml")
+    ]
+
+
+def parse_error(block: YamlBlock, folder: Path) -> str | None:
+    """What xtl's parser says of ``block`` on top of its base recipe (``None``: it parses)."""
+    from xtl.cli import ParseOnlyCLI, XTLArgumentParser
+
+    class RaisingParser(XTLArgumentParser):
+        def error(self, message: str, ex: Exception | None = None) -> None:
+            raise ValueError(str(message).strip())
+
+    class ParseOnly(ParseOnlyCLI):
+        def init_parser(self, **kwargs):
+            self.parser_class = RaisingParser
+            return super().init_parser(**kwargs)
+
+    fragment = folder / f"{block.path.stem}_{block.line}.yaml"
+    fragment.write_text(block.config())
+    args = ["--config", str(ROOT / block.mark("base", BASE)), "--config", str(fragment)]
+    XTLArgumentParser.argv = args
+    try:
+        ParseOnly(args=args, run=False)
+    except ValueError as err:
+        return str(err)
+    return None
 
 
 class StandIns:
@@ -227,6 +312,91 @@ class TestDocumentedChoices:
         spans = " ".join(re.findall(r"`([^`]*)`", body))
         missing = [c for c in choices if not re.search(rf"(?<![\w.]){re.escape(c)}(?!\w)", spans)]
         assert choices and not missing, f"docs/configs.md, {section}: {missing} not named"
+
+
+@pytest.fixture
+def user_code(tmp_path, monkeypatch) -> Iterator[Path]:
+    """The stand-in user modules of :data:`USER_CODE`, importable."""
+    for name, source in USER_CODE.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    yield tmp_path
+    _forget_user_code()
+
+
+class TestDocumentedConfigs:
+    @pytest.mark.parametrize("block", [b for d in DOCS for b in yaml_blocks(d)], ids=str)
+    def test_every_yaml_block_parses(self, block, user_code):
+        if block.reason is not None:
+            assert len(block.reason.split()) >= 3, f"{block}: say why it is not an xtl config ({NOT_CONFIG} WHY)"
+            return
+        error = parse_error(block, user_code)
+        assert error is None, f"{block} (base {block.mark('base', BASE)}) is refused by xtl's parser:\n{error}"
+
+    def test_every_config_block_is_a_yaml_block(self):
+        """A config in a block of another language (``text``, none) cannot slip past the parse."""
+        import yaml
+
+        for doc in DOCS:
+            text = doc.read_text()
+            for match in BLOCK.finditer(text):
+                if match.group(1) in ("yaml", "yml"):
+                    continue
+                try:
+                    loaded = yaml.safe_load(match.group(3))
+                except yaml.YAMLError:
+                    continue
+                if isinstance(loaded, dict) and {"trainer", "model", "data"} & set(loaded):
+                    pytest.fail(f"{doc.name}:{text[: match.start()].count(chr(10)) + 1} is a config: mark it yaml")
+
+    def test_a_refused_fragment_fails(self, user_code):
+        """The check can fail: the data module takes its arguments directly, so ``data: init_args:`` is refused."""
+        doc = user_code / "doc.md"
+        doc.write_text("```yaml\ndata:\n  init_args:\n    seed: 1\n```\n```yaml\ndata:\n  seed: 1\n```\n")
+        wrong, right = yaml_blocks(doc)
+        assert "init_args" in parse_error(wrong, user_code)
+        assert parse_error(right, user_code) is None
+
+    def test_marks(self, tmp_path):
+        doc = tmp_path / "doc.md"
+        doc.write_text(
+            "```yaml base=configs/tiny_dpo.yaml under=model.init_args\n    lr: 1\n```\n"
+            "```yaml not-config: an lm-eval task file\ntask: x\n```\n"
+        )
+        nested, other = yaml_blocks(doc)
+        assert nested.mark("base") == "configs/tiny_dpo.yaml" and nested.reason is None
+        assert nested.config() == "model:\n  init_args:\n    lr: 1\n"
+        assert other.reason == "an lm-eval task file"
+
+
+class TestDocumentedJudgerFunction:
+    def test_the_example_scores_through_function_judger(self, tmp_path, monkeypatch):
+        """The judger function of docs/configs.md has the signature FunctionJudger calls, under the name its YAML
+        gives."""
+        from xtl.rl.judger import FunctionJudger, RolloutState
+
+        text = (ROOT / "docs" / "configs.md").read_text()
+        source = next(m.group(3) for m in BLOCK.finditer(text) if m.group(3).startswith("# my_judgers.py"))
+        fn = re.search(r'fn: "([\w.]+:\w+)"', text[text.index(source) :]).group(1)
+        (tmp_path / f"{fn.split(':')[0]}.py").write_text(source)
+        monkeypatch.syspath_prepend(str(tmp_path))
+        _forget_user_code()  # the stand-in module of the same name, imported by a parse
+        try:
+            judger = FunctionJudger(fn)
+        finally:
+            _forget_user_code()
+        states = [RolloutState(" 5", "5", extra={"level": 1}), RolloutState("6", "5"), RolloutState("5", None)]
+        judged = judger.judge_sync(states)
+        assert [s.reward["score"] for s in judged] == [1.0, 0.0, 0.0] and all(s.status == "completed" for s in judged)
+
+
+def _forget_user_code() -> None:
+    """Drop the user modules of the documents from ``sys.modules`` (each test imports its own)."""
+    roots = {Path(name).parts[0].removesuffix(".py") for name in USER_CODE}
+    for name in [m for m in sys.modules if m.split(".")[0] in roots]:
+        del sys.modules[name]
 
 
 def _run(args: list[str], capfd) -> tuple[int, str]:
