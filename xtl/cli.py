@@ -36,14 +36,6 @@ from xtl.train.optim import OptimizerConfig
 
 CKPT_KEYWORDS = ("last", "best", "hpc")  # --ckpt_path values Lightning resolves itself (xtl's: auto, none)
 ARCHITECTURE_KEYS = ("model", "model_overrides")  # model.init_args keys a checkpoint always decides
-_FAMILIES = {  # module class name -> the objective users know it by
-    "LanguageModule": "SFT/pretraining",
-    "PreferenceModule": "preference (DPO, KTO, ...)",
-    "RewardModule": "reward model",
-    "DistillModule": "distillation",
-    "GRPOModule": "GRPO",
-    "OnlineDPOModule": "online DPO",
-}
 
 # An optimizer is any OptimizerConfig subclass, chosen in YAML by class_path (AdamWConfig by default).
 set_parsing_settings(subclasses_enabled=[OptimizerConfig])
@@ -120,6 +112,7 @@ class XTLCLI(LightningCLI):
         if path in CKPT_KEYWORDS:  # Lightning finds it; a local last checkpoint is checked for its objective here
             found = self._resume.found
             if found is not None and not is_url(found):
+                raise_if_unreadable(Path(found))
                 _refuse_foreign_checkpoint(found, _hyper_parameters(found), config.get("model"), path)
             return
         if not path:
@@ -267,9 +260,11 @@ def _import_class(class_path: str) -> Any:
 
 
 def _family(class_path: str) -> str:
-    """The objective a LightningModule class trains, as users name it (its class name when xtl has no short name)."""
-    name = class_path.rsplit(".", 1)[-1]
-    return _FAMILIES.get(name, name)
+    """The objective a LightningModule class trains, as users name it (its ``objective``; else its class name)."""
+    try:
+        return str(_import_class(class_path).objective)
+    except (ImportError, AttributeError, ValueError):
+        return class_path.rsplit(".", 1)[-1]
 
 
 def _typed_model_keys(argv: list[str]) -> list[list[str]]:

@@ -114,6 +114,7 @@ class GRPOModule(LanguageModule):
             (naming where it went).
     """
 
+    objective = "GRPO"
     trains_mtp = False  # multi-token prediction belongs to next-token training
 
     def __init__(

@@ -185,6 +185,8 @@ class OnlineDPOModule(GRPOModule):
             reference the objective cannot use, settings out of range.
     """
 
+    objective = "online DPO"
+
     def __init__(
         self,
         model: str | dict[str, Any],

@@ -92,6 +92,7 @@ class LanguageModule(pl.LightningModule, ContextParallelFeature, DataConsumer):
             them; ``mtp_layers`` with an objective that does not train it.
     """
 
+    objective: ClassVar[str] = "SFT/pretraining"  # what the module trains, as users name it (in messages)
     trains_mtp: ClassVar[bool] = True  # the objective trains multi-token-prediction depths (next-token training)
     scores_sequences: ClassVar[bool] = False  # the objective trains a sequence-classification head (num_labels)
 

@@ -110,6 +110,7 @@ class DistillModule(LanguageModule):
             the student's; context parallelism.
     """
 
+    objective = "distillation"
     trains_mtp = False  # multi-token prediction belongs to next-token training
 
     def __init__(

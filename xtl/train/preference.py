@@ -186,6 +186,7 @@ class PreferenceModule(PairMetrics, LanguageModule):
             :class:`~xtl.data.XTLDataModule`; data of the other kind (pairs for KTO, unpaired rows for a paired loss).
     """
 
+    objective = "preference (DPO, KTO, ...)"
     trains_mtp = False  # multi-token prediction belongs to next-token training
 
     def __init__(

@@ -56,6 +56,7 @@ class RewardModule(PairMetrics, LanguageModule):
             transform such as LoRA).
     """
 
+    objective = "reward model"
     trains_mtp = False  # multi-token prediction belongs to next-token training
     scores_sequences = True
 
