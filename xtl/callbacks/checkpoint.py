@@ -20,7 +20,6 @@ from xtl.callbacks._interrupt import Interrupted, StopRequest, write_line
 from xtl.errors import ConfigError
 from xtl.model.hf.errors import CheckpointError
 from xtl.strategies.checkpoint_io import recover_interrupted_replace
-from xtl.strategies.parallelize import ParallelizingStrategy
 from xtl.strategies.remote_checkpoint import (
     DOWNLOADS,
     commit,
@@ -323,8 +322,7 @@ class TrainingCheckpoint(LightningModelCheckpoint):
             self._save_last_checkpoint(trainer, candidates)
         else:
             self._save_checkpoint(trainer, self.format_checkpoint_name(candidates))
-        if isinstance(trainer.strategy, ParallelizingStrategy):
-            trainer.strategy.finish_pending_save()
+        trainer.lightning_module.parallelizer.finish_pending_save()
         self._finish_uploads(trainer)
 
     def _save_monitor_checkpoint(self, trainer: pl.Trainer, monitor_candidates: dict[str, Tensor]) -> None:
@@ -386,8 +384,7 @@ class TrainingCheckpoint(LightningModelCheckpoint):
         if any(p.local == local or p.step != trainer.global_step for p in self._pending):
             self._finish_uploads(trainer)  # the previous save's uploads count before this one starts
         super()._save_checkpoint(trainer, str(local))
-        if isinstance(trainer.strategy, ParallelizingStrategy):  # FSDP async_save: the upload needs every file
-            trainer.strategy.finish_pending_save()
+        trainer.lightning_module.parallelizer.finish_pending_save()  # FSDP async_save: the upload needs every file
         token = trainer.strategy.broadcast(new_token() if trainer.is_global_zero else None)
         pending = _Upload(local, filepath, token, trainer.global_step, trainer.global_rank)
         self._pending.append(pending)
