@@ -83,9 +83,10 @@ class StopRequest:
         if self._agreed is not None and self._agreed[0] == boundary:
             return self._agreed[1] or None
         agreed = self.signum or 0
-        if dist.is_available() and dist.is_initialized() and trainer.world_size > 1:
+        group = trainer.lightning_module.parallelizer.world_group()  # None: one rank
+        if group is not None:
             flag = torch.tensor([agreed], dtype=torch.int32, device=trainer.strategy.root_device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # SIGTERM (15) wins over SIGINT (2)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)  # SIGTERM (15) wins over SIGINT (2)
             agreed = int(flag.item())
         self._agreed = (boundary, agreed)
         if agreed and trainer.is_global_zero and not self.announced:  # another rank got it

@@ -11,6 +11,7 @@ import lightning.pytorch as pl
 import torch.distributed as dist
 
 from xtl.errors import ConfigError
+from xtl.strategies.layout import broadcast_object
 
 
 def check_writable_folder(trainer: pl.Trainer, folder: Path, key: str) -> None:
@@ -29,13 +30,14 @@ def check_writable_folder(trainer: pl.Trainer, folder: Path, key: str) -> None:
         ConfigError: ``folder`` or a parent of it is a file, or the nearest existing folder is not writable.
     """
     reason = _unwritable(folder) if trainer.is_global_zero else None
-    reason = trainer.strategy.broadcast(reason)
+    reason = broadcast_object(reason, trainer.lightning_module.parallelizer.world_group())
     if reason:
         raise ConfigError(f"{key} {folder}: cannot be written: {reason}; pick a folder that can be created there")
 
 
-def raise_on_every_rank(trainer: pl.Trainer, error: str | None) -> None:
-    """Raise ``error`` of this rank, or the first error of another rank, on every rank (every rank must call this).
+def raise_on_every_rank(group: dist.ProcessGroup | None, error: str | None) -> None:
+    """Raise ``error`` of this rank, or the first error of another rank of ``group`` (the run's ranks: the
+    parallelizer's ``world_group()``; ``None``: one rank), on every rank (every rank of ``group`` must call this).
 
     A check that every rank makes on its own (each loads data it will use) may fail on one rank only (a cache on
     one node); the others must stop too instead of waiting for it at the next collective, and rank 0, which prints
@@ -45,9 +47,9 @@ def raise_on_every_rank(trainer: pl.Trainer, error: str | None) -> None:
         ConfigError: The first rank's error that is not ``None``.
     """
     errors = [error]
-    if trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
-        errors = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, error)
+    if group is not None:
+        errors = [None] * dist.get_world_size(group)
+        dist.all_gather_object(errors, error, group=group)
     first = next((e for e in errors if e), None)
     if first:
         raise ConfigError(first)

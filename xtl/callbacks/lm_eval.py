@@ -106,7 +106,7 @@ class LMEval(pl.Callback):
                 self._built = load_tasks(*self._resolved)  # every rank: each evaluates a share of the requests
         except ConfigError as err:
             error = f"LMEval.{err}"
-        raise_on_every_rank(trainer, error)
+        raise_on_every_rank(pl_module.parallelizer.world_group(), error)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         """Evaluate every ``every_n_steps`` steps."""
